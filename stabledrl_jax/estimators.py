@@ -1,0 +1,189 @@
+"""Monte Carlo likelihood estimators for masked diffusion LMs: which tokens to mask, how to weigh.
+
+An estimator draws `M` corrupted copies of each sequence and a weight per position; the ELBO
+estimate is `mean_M Σ_L weight · log p_θ(x_i | x_t)` (`losses.mc_elbo` / `losses.elbo_ratio`).
+The model call sits outside: feed `apply_masks(...)` to the model, take `token_logp` of its
+logits, pass the result with `weight` to `losses.elbo_ratio`. Everything here is a pure function
+of arrays and a PRNG key.
+
+Sequences are `[B, L]` (prompt and completion together). Three boolean position sets describe a
+row: `completion` (the generated region, noised by the scheme), `counted` (completion positions
+whose log-probabilities count: up to and including the first end-of-sequence token, see
+`counted_until_eos`; a prefix of the completion) and `prompt` (prompt tokens that may be noised
+with probability `p_mask_prompt`; never weighted).
+
+Schemes (SPEC §1):
+  random_t      t ~ U(0,1), p = (1-ε)t + ε, mask i.i.d. with p; weight 1/(p·n) on masked counted
+                tokens, n = number of counted tokens (LLaDA pretraining; E = log p(x)/n).
+  stratified_l  mask exactly l of the R completion tokens, l stratified over the M samples;
+                weight R/l (LLaDA's low-variance estimator; E = log p(x)).
+  block_random  one completion block (containing counted tokens) chosen uniformly; earlier blocks
+                clean, later ones fully masked, k ~ U{1..n} of its n counted tokens masked;
+                weight = mean over masked counted tokens (SPG, the official StableDRL default).
+  mean_field    every completion token masked; weight 1/n (d1's one-step estimate: mean log p).
+  block_t       per completion block t_b ~ U(0,1), mask i.i.d. with p_b; weight 1/(p_b·n): the
+                random-t estimator per block, for block diffusion's one-pass staircase likelihood.
+"""
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+Scheme = Literal["random_t", "stratified_l", "block_random", "mean_field", "block_t"]
+SCHEMES: tuple[str, ...] = ("random_t", "stratified_l", "block_random", "mean_field", "block_t")
+
+
+class MaskSample(NamedTuple):
+  """`noised`: positions replaced by the mask token; `weight`: per-position estimator weight."""
+  noised_BxMxL: Array  # bool
+  weight_BxMxL: Array  # float32, 0 where a position does not count
+
+
+def counted_until_eos(tokens_BxL: Array, completion_BxL: Array, eos_id: int | Array) -> Array:
+  """Completion positions up to and including the first end-of-sequence token, `[B, L]` bool.
+
+  `eos_id` may be a scalar or a 1-D array of ids that all end a sequence.
+  """
+  completion_BxL = completion_BxL.astype(bool)
+  is_eos = jnp.isin(tokens_BxL, jnp.atleast_1d(jnp.asarray(eos_id))) & completion_BxL
+  eos_before = jnp.cumsum(is_eos, axis=-1) - is_eos  # EOS tokens strictly before each position
+  return completion_BxL & (eos_before == 0)
+
+
+def apply_masks(tokens_BxL: Array, noised_BxMxL: Array, mask_id: int) -> Array:
+  """The model inputs `[B, M, L]`: `tokens` with noised positions replaced by `mask_id`."""
+  return jnp.where(noised_BxMxL, jnp.asarray(mask_id, tokens_BxL.dtype), tokens_BxL[:, None, :])
+
+
+def token_logp(logits_xV: Array, targets_x: Array) -> Array:
+  """float32 `log softmax(logits)[target]` for any leading shape (no shift: position i → token i)."""
+  logp = jax.nn.log_softmax(logits_xV.astype(jnp.float32), axis=-1)
+  return jnp.take_along_axis(logp, targets_x[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def sample_masks(
+    key: Array,
+    completion_BxL: Array,
+    *,
+    scheme: Scheme,
+    num_samples: int,
+    counted_BxL: Array | None = None,
+    prompt_BxL: Array | None = None,
+    p_mask_prompt: float = 0.0,
+    block_size: int = 32,
+    min_mask_prob: float = 1e-3,
+) -> MaskSample:
+  """Draw `num_samples` masks per row for `scheme` (module docstring); returns a `MaskSample`.
+
+  `completion_BxL` is the noised region, `counted_BxL` (default: all of it) the positions that
+  count, `prompt_BxL` (default: none) the prompt tokens noised with probability `p_mask_prompt`.
+  `block_size` is used by `block_random` and `block_t`, `min_mask_prob` (ε) by the `*_t` schemes.
+  """
+  if scheme not in SCHEMES:
+    raise ValueError(f"unknown estimator scheme {scheme!r}: expected one of {SCHEMES}")
+  if num_samples < 1:
+    raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+  if block_size < 1:
+    raise ValueError(f"block_size must be >= 1, got {block_size}")
+  if not 0.0 <= p_mask_prompt <= 1.0:
+    raise ValueError(f"p_mask_prompt must lie in [0, 1], got {p_mask_prompt}")
+  completion = completion_BxL.astype(bool)
+  counted = completion if counted_BxL is None else counted_BxL.astype(bool) & completion
+  prompt = jnp.zeros_like(completion) if prompt_BxL is None else prompt_BxL.astype(bool) & ~completion
+  b, l = completion.shape
+  m = num_samples
+  k_scheme, k_prompt = jax.random.split(key)
+
+  n_counted_B11 = jnp.maximum(jnp.sum(counted, -1), 1).astype(jnp.float32)[:, None, None]
+  comp = jnp.broadcast_to(completion[:, None, :], (b, m, l))
+  cnt = jnp.broadcast_to(counted[:, None, :], (b, m, l))
+  # Index of each completion position inside the completion region (-1 outside it).
+  region_idx_BxL = jnp.where(completion, jnp.cumsum(completion, -1) - 1, -1)
+
+  if scheme == "random_t":
+    k_t, k_u = jax.random.split(k_scheme)
+    p_BxMx1 = _mask_prob(jax.random.uniform(k_t, (b, m, 1)), min_mask_prob)
+    noised = comp & (jax.random.uniform(k_u, (b, m, l)) < p_BxMx1)
+    weight = jnp.where(noised & cnt, 1.0 / (p_BxMx1 * n_counted_B11), 0.0)
+    clean_visible = jnp.zeros_like(noised)
+  elif scheme == "block_t":
+    k_t, k_u = jax.random.split(k_scheme)
+    block_BxL = jnp.where(completion, region_idx_BxL // block_size, 0)
+    p_BxMxNb = _mask_prob(jax.random.uniform(k_t, (b, m, l // block_size + 1)), min_mask_prob)
+    p_BxMxL = jnp.take_along_axis(p_BxMxNb, jnp.broadcast_to(block_BxL[:, None, :], (b, m, l)), -1)
+    noised = comp & (jax.random.uniform(k_u, (b, m, l)) < p_BxMxL)
+    weight = jnp.where(noised & cnt, 1.0 / (p_BxMxL * n_counted_B11), 0.0)
+    clean_visible = jnp.zeros_like(noised)
+  elif scheme == "stratified_l":
+    k_l, k_perm = jax.random.split(k_scheme)
+    region_B11 = jnp.maximum(jnp.sum(completion, -1), 1)[:, None, None]
+    # l_m = floor((m + u) / M · R) + 1: one stratum of {1..R} per sample, a shared offset u.
+    u_B11 = jax.random.uniform(k_l, (b, 1, 1))
+    strata_1xMx1 = jnp.arange(m, dtype=jnp.float32)[None, :, None]
+    l_BxMx1 = jnp.minimum(jnp.floor((strata_1xMx1 + u_B11) / m * region_B11), region_B11 - 1) + 1
+    noised = _random_subset(k_perm, comp, l_BxMx1)
+    weight = jnp.where(noised & cnt, region_B11 / l_BxMx1, 0.0)
+    clean_visible = jnp.zeros_like(noised)
+  elif scheme == "block_random":
+    k_c, k_k, k_perm = jax.random.split(k_scheme, 3)
+    block_BxL = jnp.where(completion, region_idx_BxL // block_size, -1)
+    # Blocks holding counted tokens (counted is a prefix of the region): 0 .. ceil(n/bs) - 1.
+    n_live_B = jnp.maximum((jnp.sum(counted, -1) + block_size - 1) // block_size, 1)
+    chosen_BxM = jnp.floor(jax.random.uniform(k_c, (b, m)) * n_live_B[:, None]).astype(jnp.int32)
+    chosen_BxMx1 = chosen_BxM[..., None]
+    block_1 = block_BxL[:, None, :]
+    in_chosen = comp & (block_1 == chosen_BxMx1)
+    # Uncounted (post-EOS) positions of the chosen block are masked like later blocks, so the k
+    # masked tokens are always counted ones and no sample has an empty estimate.
+    later = comp & ((block_1 > chosen_BxMx1) | (in_chosen & ~cnt))
+    size_BxMx1 = jnp.maximum(jnp.sum(in_chosen & cnt, -1, keepdims=True), 1)
+    k_BxMx1 = jnp.floor(jax.random.uniform(k_k, (b, m, 1)) * size_BxMx1) + 1
+    noised = later | _random_subset(k_perm, in_chosen & cnt, k_BxMx1)
+    hit = noised & cnt
+    weight = jnp.where(hit, 1.0 / jnp.maximum(jnp.sum(hit, -1, keepdims=True), 1), 0.0)
+    clean_visible = comp & (block_1 < chosen_BxMx1)  # the earlier blocks: noised like the prompt
+  else:  # mean_field
+    noised = comp
+    weight = jnp.where(cnt, 1.0 / n_counted_B11, 0.0)
+    clean_visible = jnp.zeros_like(noised)
+
+  if p_mask_prompt > 0.0:
+    extra = (prompt[:, None, :] | clean_visible) & (jax.random.uniform(k_prompt, (b, m, l)) < p_mask_prompt)
+    noised = noised | extra
+  return MaskSample(noised, weight.astype(jnp.float32))
+
+
+def sample_old_new_masks(
+    key: Array,
+    completion_BxL: Array,
+    *,
+    coupling: Literal["coupled", "independent"] = "coupled",
+    **kwargs,
+) -> tuple[MaskSample, MaskSample]:
+  """Masks for the new (θ) and the old (behaviour) policy's ELBO: `(new, old)`.
+
+  `coupled` (default) returns the same draw twice (common random numbers: the estimated ratio is
+  exactly 1 at θ = θ_old, and its variance is lower after); `independent` draws the old policy's
+  masks from a separate key, as the official StableDRL code does. `kwargs` go to `sample_masks`.
+  """
+  if coupling == "coupled":
+    sample = sample_masks(key, completion_BxL, **kwargs)
+    return sample, sample
+  if coupling == "independent":
+    k_new, k_old = jax.random.split(key)
+    return sample_masks(k_new, completion_BxL, **kwargs), sample_masks(k_old, completion_BxL, **kwargs)
+  raise ValueError(f"unknown mask coupling {coupling!r}: expected 'coupled' or 'independent'")
+
+
+def _mask_prob(t: Array, min_mask_prob: float) -> Array:
+  return (1.0 - min_mask_prob) * t + min_mask_prob
+
+
+def _random_subset(key: Array, eligible_BxMxL: Array, count_BxMx1: Array) -> Array:
+  """Exactly `min(count, |eligible|)` eligible positions per row, uniformly at random."""
+  scores = jnp.where(eligible_BxMxL, jax.random.uniform(key, eligible_BxMxL.shape), 2.0)
+  rank = jnp.argsort(jnp.argsort(scores, axis=-1), axis=-1)
+  return eligible_BxMxL & (rank < count_BxMx1)

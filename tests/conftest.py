@@ -1,0 +1,8 @@
+"""Test setup: 8 fake CPU devices, so sharded code is exercised on one host."""
+import os
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests import the package from the checkout without installing it.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
