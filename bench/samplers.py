@@ -1,0 +1,222 @@
+"""Sampler throughput: generated tokens/s of LLaDA decoding and SDAR block decoding (with and
+without the KV cache) on the model presets. Prints the machine and a markdown table.
+
+  .venv/bin/python bench/samplers.py --presets tiny,bench_100m --gen-length 256
+
+Settings (issue 4): LLaDA 128 steps with blocks of 32 (a full-attention `family="llada"` copy of
+the preset); SDAR blocks of 4 with 4 static low-confidence steps per block, greedy, once reading
+the KV cache and once recomputing the whole prefix every step (`use_cache=False`). Prompts are a
+fixed length of random ids and the stop id is -1, which no model can emit, so every row
+generates all `gen_length` tokens (checked on every run).
+
+Timing. Each sampler is compiled ahead of time (trace + lower + compile, reported as "compile s");
+the compiled program is then run `--runs` times, each to `jax.block_until_ready`, and the median
+is reported. The samplers' runs are interleaved (cache, no cache, LLaDA, cache, ...) so that each
+sees the same contention on a shared machine, and the cache speed-up is the ratio of the two
+medians from the same process.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import flax  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from stabledrl_jax import models  # noqa: E402
+from stabledrl_jax import samplers  # noqa: E402
+
+SAMPLERS = ("llada", "sdar_cache", "sdar_nocache")
+# A stop id no model can emit: `jnp.isin` never matches it, so no row stops early.
+NEVER_STOP = (-1,)
+DEFAULT_BATCH = {"tiny": 8}  # other presets: 1 (the ~100M model on a small CPU)
+DEFAULT_RUNS = {"tiny": 5}   # other presets: 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One measured sampler on one preset."""
+  preset: str
+  sampler: str
+  batch: int
+  gen_tokens: int        # batch x gen_length, per run
+  forwards: str          # model forwards per run (what each one covers)
+  compile_s: float       # trace + lower + XLA compile
+  run_s: float           # median over the timed runs
+  runs: int
+  tokens_per_s: float
+  cache_speedup: float | None  # sdar_cache only: median(no cache) / median(cache)
+
+
+def _config(preset: str, sampler: str, compute_dtype: str) -> models.ModelConfig:
+  if sampler == "llada":
+    # The LLaDA sampler only runs full attention; use a LLaDA-family copy of the same shapes.
+    return models.preset(preset, family="llada", qk_norm=False, block_size=None,
+                         compute_dtype=compute_dtype)
+  return models.preset(preset, compute_dtype=compute_dtype)
+
+
+def _sampling(sampler: str, gen_length: int, llada_steps: int, llada_block: int,
+              sdar_steps: int):
+  if sampler == "llada":
+    return samplers.LLaDASampling(gen_length=gen_length, block_length=llada_block,
+                                  steps=llada_steps, temperature=0.0, stop_ids=NEVER_STOP)
+  return samplers.SDARSampling(gen_length=gen_length, steps=sdar_steps,
+                               strategy="low_confidence_static", temperature=0.0,
+                               use_cache=sampler == "sdar_cache", stop_ids=NEVER_STOP)
+
+
+def _compile(sampler: str, model, prompt_BxP, valid_BxP, key, sampling):
+  """AOT-compiles the public sampler entry point; returns `(run(), compile seconds)`."""
+  graphdef, state = nnx.split(model)
+  generate = samplers.llada_generate if sampler == "llada" else samplers.sdar_generate
+
+  def pure(state, prompt_BxP, valid_BxP, key):
+    return generate(nnx.merge(graphdef, state), prompt_BxP, valid_BxP, key, sampling)
+
+  start = time.perf_counter()
+  compiled = jax.jit(pure).lower(state, prompt_BxP, valid_BxP, key).compile()
+  compile_s = time.perf_counter() - start
+  return (lambda: jax.block_until_ready(compiled(state, prompt_BxP, valid_BxP, key))), compile_s
+
+
+def _check_full(rollout: samplers.Rollout, gen_length: int, mask_id: int, what: str) -> int:
+  """Every row generated all its tokens; returns the number of decoding steps taken."""
+  lengths = np.asarray(rollout.lengths_B)
+  completion = np.asarray(rollout.completion_BxG)
+  if not (lengths == gen_length).all() or (completion == mask_id).any():
+    raise RuntimeError(f"{what}: rows did not generate all {gen_length} tokens "
+                       f"(lengths {lengths.tolist()})")
+  return int(np.asarray(rollout.commit_step_BxT).max()) + 1
+
+
+def measure(preset: str, *, batch: int, gen_length: int = 256, prompt_length: int = 64,
+            runs: int = 2, llada_steps: int = 128, llada_block: int = 32, sdar_steps: int = 4,
+            compute_dtype: str = "float32", which: tuple[str, ...] = SAMPLERS,
+            log: Callable[[str], None] = lambda s: None) -> list[Row]:
+  """Compiles and times each sampler in `which` on `preset`; returns one `Row` per sampler."""
+  unknown = set(which) - set(SAMPLERS)
+  if unknown:
+    raise ValueError(f"unknown samplers {sorted(unknown)}; expected some of {SAMPLERS}")
+  if runs < 1:
+    raise ValueError(f"runs must be >= 1, got {runs}")
+  key = jax.random.PRNGKey(0)
+  fns, compile_s, forwards = {}, {}, {}
+  for name in which:
+    cfg = _config(preset, name, compute_dtype)
+    model = models.create(cfg, seed=0)
+    # Ids below the mask token and above the special ids; every prompt slot is real.
+    prompt_BxP = jax.random.randint(jax.random.PRNGKey(1), (batch, prompt_length), 2,
+                                    cfg.mask_token_id, dtype=jnp.int32)
+    valid_BxP = jnp.ones((batch, prompt_length), bool)
+    sampling = _sampling(name, gen_length, llada_steps, llada_block, sdar_steps)
+    log(f"{preset}/{name}: compiling")
+    fns[name], compile_s[name] = _compile(name, model, prompt_BxP, valid_BxP, key, sampling)
+    log(f"{preset}/{name}: compiled in {compile_s[name]:.1f} s")
+    steps = _check_full(fns[name](), gen_length, cfg.mask_token_id, f"{preset}/{name}")
+    if name == "llada":
+      forwards[name] = f"{steps} x {prompt_length + gen_length} tok"
+    else:
+      bs = sampling.block_size or cfg.block_size
+      layout = samplers.sdar_layout(prompt_BxP, valid_BxP, gen_length, bs, cfg.mask_token_id)
+      t, first_block, num_blocks = layout[0].shape[1], layout[5], layout[6]
+      if name == "sdar_cache":
+        # No row stops, so every block from the first generated one gets a commit forward.
+        forwards[name] = (f"{steps} x {bs} + {num_blocks - first_block} x {bs} commit "
+                          f"+ {first_block * bs} prefill tok")
+      else:
+        forwards[name] = f"{steps} x {t} tok"
+  # The run above is a warm-up (first execution: allocation, page faults), not timed.
+  times: dict[str, list[float]] = {name: [] for name in which}
+  for i in range(runs):
+    for name in which:
+      start = time.perf_counter()
+      fns[name]()
+      times[name].append(time.perf_counter() - start)
+      log(f"{preset}/{name}: run {i + 1}/{runs} {times[name][-1]:.3f} s")
+  median = {name: statistics.median(ts) for name, ts in times.items()}
+  speedup = (median["sdar_nocache"] / median["sdar_cache"]
+             if {"sdar_cache", "sdar_nocache"} <= set(which) else None)
+  return [Row(preset=preset, sampler=name, batch=batch, gen_tokens=batch * gen_length,
+              forwards=forwards[name], compile_s=compile_s[name], run_s=median[name], runs=runs,
+              tokens_per_s=batch * gen_length / median[name],
+              cache_speedup=speedup if name == "sdar_cache" else None)
+          for name in which]
+
+
+def machine() -> str:
+  """One line describing where the numbers were taken."""
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+  except (OSError, StopIteration):
+    pass
+  load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+  return (f"{os.cpu_count()} CPUs ({cpu}), load average {load}; jax {jax.__version__}, "
+          f"flax {flax.__version__}, backend {jax.default_backend()} "
+          f"({len(jax.devices())} x {jax.devices()[0].device_kind}), python "
+          f"{platform.python_version()}")
+
+
+def table(rows: list[Row]) -> str:
+  """Markdown table of the rows."""
+  lines = ["| preset | sampler | batch | gen tokens | forwards / run | compile s | run s "
+           "(median of n) | tokens/s | cache speed-up |",
+           "|---|---|---:|---:|---|---:|---:|---:|---:|"]
+  for r in rows:
+    speedup = f"{r.cache_speedup:.2f}x" if r.cache_speedup is not None else ""
+    lines.append(f"| {r.preset} | {r.sampler} | {r.batch} | {r.gen_tokens} | {r.forwards} | "
+                 f"{r.compile_s:.1f} | {r.run_s:.3f} (n={r.runs}) | {r.tokens_per_s:,.1f} | "
+                 f"{speedup} |")
+  return "\n".join(lines)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--presets", default="tiny,bench_100m")
+  parser.add_argument("--samplers", default=",".join(SAMPLERS))
+  parser.add_argument("--batch", type=int, default=None,
+                      help="rows per call (default: tiny 8, others 1)")
+  parser.add_argument("--runs", type=int, default=None,
+                      help="timed runs per sampler (default: tiny 5, others 2)")
+  parser.add_argument("--gen-length", type=int, default=256)
+  parser.add_argument("--prompt-length", type=int, default=64)
+  parser.add_argument("--llada-steps", type=int, default=128)
+  parser.add_argument("--llada-block", type=int, default=32)
+  parser.add_argument("--sdar-steps", type=int, default=4)
+  parser.add_argument("--compute-dtype", default="float32",
+                      help="float32 (default: faster than bfloat16 on CPU) or bfloat16")
+  args = parser.parse_args()
+  print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {machine()}")
+  print(f"# gen {args.gen_length}, prompt {args.prompt_length}, compute {args.compute_dtype}; "
+        f"LLaDA {args.llada_steps} steps / block {args.llada_block}; SDAR {args.sdar_steps} "
+        "static steps / block, greedy", flush=True)
+  start = time.perf_counter()
+  rows = []
+  for preset in args.presets.split(","):
+    rows += measure(preset, batch=args.batch or DEFAULT_BATCH.get(preset, 1),
+                    gen_length=args.gen_length, prompt_length=args.prompt_length,
+                    runs=args.runs or DEFAULT_RUNS.get(preset, 2), llada_steps=args.llada_steps,
+                    llada_block=args.llada_block, sdar_steps=args.sdar_steps,
+                    compute_dtype=args.compute_dtype, which=tuple(args.samplers.split(",")),
+                    log=lambda s: print(f"  {s}", file=sys.stderr, flush=True))
+  print(table(rows))
+  print(f"# total {time.perf_counter() - start:.0f} s; load average at the end "
+        f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,21 @@
+r"""StableDRL on a full-attention masked diffusion (LLaDA) model.
+
+  python -m stabledrl_jax.main --config=configs/llada.py           # tiny: CPU, 4x4 Sudoku
+  python -m stabledrl_jax.main --config=configs/llada.py:smoke     # the same path in < 2 minutes
+  python -m stabledrl_jax.main --config=configs/llada.py:8b \
+      --config.model.checkpoint=/path/to/LLaDA-8B-Instruct --workdir=gs://bucket/runs/llada8b
+
+Override any key with --config.a.b=value (e.g. --config.rl.objective=grpo).
+"""
+from stabledrl_jax import config_lib
+
+
+def get_config(preset: str = "tiny"):
+  c = config_lib.base_config("llada")
+  config_lib.apply_preset(c, preset)
+  if preset == "8b":
+    c.model.preset = "llada_8b"
+    c.sampler.block_length = 32
+    c.sampler.steps = 128  # rollouts: gen 256, block 32, 128 steps (SPEC §6)
+  c.lock()
+  return c

@@ -1,0 +1,21 @@
+r"""StableDRL on a block-diffusion (SDAR) model.
+
+  python -m stabledrl_jax.main --config=configs/sdar.py            # tiny: CPU, 4x4 Sudoku
+  python -m stabledrl_jax.main --config=configs/sdar.py:smoke      # the same path in < 2 minutes
+  python -m stabledrl_jax.main --config=configs/sdar.py:8b \
+      --config.model.checkpoint=/path/to/SDAR-8B-Chat --workdir=gs://bucket/runs/sdar8b
+
+Override any key with --config.a.b=value (e.g. --config.rl.objective=grpo).
+"""
+from stabledrl_jax import config_lib
+
+
+def get_config(preset: str = "tiny"):
+  c = config_lib.base_config("sdar")
+  config_lib.apply_preset(c, preset)
+  if preset == "8b":
+    c.model.preset = "sdar_8b"
+    c.model.block_size = 4
+    c.sampler.steps = 4  # denoising steps per block of 4
+  c.lock()
+  return c

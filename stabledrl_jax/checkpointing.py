@@ -1,0 +1,67 @@
+"""Orbax checkpoints of a training run: model, optimiser, and a JSON record of everything else.
+
+Saves are asynchronous and atomic (Orbax writes a temporary directory and renames it when the
+save is complete), so a run killed at any moment leaves its last finished checkpoint intact. The
+JSON part holds the stage, the data-iterator states, the RNG seed and counters. Restoring reads
+into the shardings of the model and optimiser it is given, so a run can resume on another mesh.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+
+def _abstract(tree):
+  """Shape/dtype/sharding targets: Orbax restores straight into these shardings."""
+  def leaf(x):
+    if isinstance(x, jax.Array):
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    return x
+  return jax.tree.map(leaf, tree)
+
+
+class Checkpointer:
+  """Keep-N asynchronous checkpoints under `directory`; one per saved step."""
+
+  def __init__(self, directory: str, *, keep: int = 2, async_save: bool = True):
+    self.directory = os.path.abspath(directory)
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                           enable_async_checkpointing=async_save)
+    self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                          item_names=("model", "optimizer", "meta"))
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer, meta: dict[str, Any]) -> None:
+    self._manager.save(step, args=ocp.args.Composite(
+        model=ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(model, nnx.Param))),
+        optimizer=ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(optimizer))),
+        meta=ocp.args.JsonSave(meta)))
+
+  def read_meta(self, step: int) -> dict[str, Any]:
+    return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+  def restore(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer) -> dict[str, Any]:
+    """Load step `step` into `model` and `optimizer` in place; returns the JSON record."""
+    model_state = nnx.state(model, nnx.Param)
+    opt_state = nnx.state(optimizer)
+    out = self._manager.restore(step, args=ocp.args.Composite(
+        model=ocp.args.StandardRestore(_abstract(nnx.to_pure_dict(model_state))),
+        optimizer=ocp.args.StandardRestore(_abstract(nnx.to_pure_dict(opt_state))),
+        meta=ocp.args.JsonRestore()))
+    nnx.replace_by_pure_dict(model_state, out["model"])
+    nnx.replace_by_pure_dict(opt_state, out["optimizer"])
+    nnx.update(model, model_state)
+    nnx.update(optimizer, opt_state)
+    return out["meta"]
+
+  def wait(self) -> None:
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.close()

@@ -1,0 +1,213 @@
+"""The training config: one `ml_collections.ConfigDict` schema, its presets and its validation.
+
+`configs/llada.py` and `configs/sdar.py` build on `base_config(family)`. The dict is locked, so an
+override of a key that does not exist fails in `config_flags` and names the key; `validate` then
+checks values before anything is compiled or written.
+"""
+from __future__ import annotations
+
+import math
+
+import ml_collections
+
+OBJECTIVES = ("stabledrl", "stabledrl_spg", "grpo", "espo", "spg", "wd1")
+SCHEMES = ("random_t", "stratified_l", "block_random", "mean_field", "block_t")
+TASKS = ("countdown", "sudoku", "gsm8k", "math500")
+
+
+def base_config(family: str) -> ml_collections.ConfigDict:
+  """Defaults shared by both families: the tiny CPU run on 4x4 Sudoku."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.family = family  # "llada" (full attention) or "sdar" (block diffusion)
+
+  c.model = ml_collections.ConfigDict()
+  c.model.preset = "tiny"       # models.PRESETS name; shapes below override it
+  c.model.checkpoint = ""       # Hugging Face directory (config.json + safetensors); "" = random init
+  c.model.tokenizer = "char"    # "char" (the tiny task tokenizer) or a directory with tokenizer.json
+  c.model.n_layers = 4
+  c.model.d_model = 128
+  c.model.n_heads = 4
+  c.model.n_kv_heads = 4
+  c.model.mlp_dim = 384
+  c.model.block_size = 4        # SDAR block length (ignored for LLaDA)
+  c.model.compute_dtype = "float32"
+  c.model.remat = False
+
+  c.task = ml_collections.ConfigDict()
+  c.task.name = "sudoku"
+  c.task.source = "generated"   # "generated" (Countdown/Sudoku) or "local" (files in source_dir)
+  c.task.source_dir = ""        # e.g. ../shared/data/gsm8k
+  c.task.data_dir = ""          # TFDS array_record cache; "" = WORKDIR/data
+  c.task.blanks = 10            # Sudoku: blanks per puzzle
+  c.task.num_train = 2000
+  c.task.num_test = 256
+  c.task.max_prompt_len = 24
+  c.task.prompt_style = "compact"  # "compact" (tiny models) or "plain" (pretrained models)
+  c.task.chat = False           # wrap plain prompts in the tokenizer's chat template
+  c.task.reward_weights = ml_collections.ConfigDict({"correctness": 1.0})
+
+  c.sft = ml_collections.ConfigDict()
+  c.sft.steps = 300
+  c.sft.batch_size = 64
+  c.sft.lr = 1e-3
+  c.sft.warmup_steps = 20
+  c.sft.scheme = "block_t" if family == "sdar" else "random_t"
+
+  c.rl = ml_collections.ConfigDict()
+  c.rl.steps = 60
+  c.rl.objective = "stabledrl"
+  c.rl.prompts_per_step = 16
+  c.rl.group_size = 8           # G
+  c.rl.updates_per_batch = 2    # μ optimiser steps on the same rollouts
+  c.rl.accumulation = 1         # micro-batches per optimiser step (each a whole number of groups)
+  c.rl.lr = 2e-4
+  c.rl.warmup_steps = 0
+  c.rl.scheme = "block_t" if family == "sdar" else "block_random"
+  c.rl.num_samples = 2          # M Monte Carlo masks per completion
+  c.rl.coupling = "coupled"     # or "independent" (the official code)
+  c.rl.p_mask_prompt = 0.0 if family == "sdar" else 0.15
+  c.rl.epsilon = 5.0            # StableDRL clip: log ratio in [log(max(1-ε,0)), log(1+ε)]
+  c.rl.max_ratio = 0.0          # > 0: clip the ratio at this value from above only (official: 5)
+  c.rl.ppo_epsilon = 0.5        # GRPO / ESPO clip
+  c.rl.kl_coef = 0.0            # > 0 keeps a frozen reference model (GRPO k3, ESPO k2)
+  c.rl.advantage = "mean"       # mean | mean_std | leave_one_out
+  c.rl.spg_omega = 0.5
+  c.rl.spg_beta = 1.5
+
+  c.optim = ml_collections.ConfigDict()
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.99
+  c.optim.weight_decay = 0.1
+  c.optim.grad_clip = 1.0
+  c.optim.decay_steps = 0       # linear decay to 0 over this many steps; 0 = the stage length
+
+  c.sampler = ml_collections.ConfigDict()
+  c.sampler.gen_length = 20
+  c.sampler.steps = 10          # LLaDA: total steps; SDAR: steps per block
+  c.sampler.block_length = 4    # LLaDA semi-autoregressive block
+  c.sampler.temperature = 1.0   # rollouts; evaluation is greedy
+  c.sampler.remasking = "low_confidence"
+  c.sampler.strategy = "low_confidence_static"
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every = 20             # RL steps between held-out evaluations
+  c.eval.num_examples = 256
+  c.eval.batch_size = 128
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every = 50
+  c.checkpoint.keep = 2
+  c.log_every = 1
+  return c
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+  """Raise `ValueError` naming the first bad key and value; nothing has run yet."""
+  def bad(key: str, why: str):
+    value = c
+    for part in key.split("."):
+      value = value[part]
+    raise ValueError(f"config.{key}={value!r}: {why}")
+
+  if c.family not in ("llada", "sdar"):
+    bad("family", "expected 'llada' or 'sdar'")
+  if c.task.name not in TASKS:
+    bad("task.name", f"expected one of {TASKS}")
+  if c.rl.objective not in OBJECTIVES:
+    bad("rl.objective", f"expected one of {OBJECTIVES}")
+  for key in ("sft.scheme", "rl.scheme"):
+    stage, name = key.split(".")
+    if c[stage][name] not in SCHEMES:
+      bad(key, f"expected one of {SCHEMES}")
+  if c.rl.coupling not in ("coupled", "independent"):
+    bad("rl.coupling", "expected 'coupled' or 'independent'")
+  if c.rl.advantage not in ("mean", "mean_std", "leave_one_out"):
+    bad("rl.advantage", "expected mean, mean_std or leave_one_out")
+  for key in ("sft.steps", "rl.steps", "checkpoint.every", "log_every"):
+    stage, name = key.split(".") if "." in key else (None, key)
+    value = c[stage][name] if stage else c[name]
+    if value < 0 or (key != "sft.steps" and key != "rl.steps" and value == 0):
+      bad(key, "must be a positive integer" if key not in ("sft.steps", "rl.steps") else "must be >= 0")
+  for key in ("sft.batch_size", "rl.prompts_per_step", "rl.group_size", "rl.updates_per_batch",
+              "rl.accumulation", "rl.num_samples", "sampler.gen_length", "sampler.steps",
+              "eval.num_examples", "eval.batch_size", "checkpoint.keep", "task.max_prompt_len"):
+    stage, name = key.split(".")
+    if c[stage][name] < 1:
+      bad(key, "must be >= 1")
+  if c.rl.prompts_per_step % c.rl.accumulation:
+    bad("rl.accumulation", f"must divide rl.prompts_per_step={c.rl.prompts_per_step} "
+        "(micro-batches hold whole groups)")
+  for key in ("sft.lr", "rl.lr"):
+    stage, name = key.split(".")
+    if not c[stage][name] > 0 or not math.isfinite(c[stage][name]):
+      bad(key, "must be a finite number > 0")
+  if c.rl.epsilon < 0:
+    bad("rl.epsilon", "must be >= 0")
+  if c.rl.max_ratio < 0:
+    bad("rl.max_ratio", "must be >= 0 (0 = use epsilon)")
+  if not 0 <= c.rl.p_mask_prompt <= 1:
+    bad("rl.p_mask_prompt", "must lie in [0, 1]")
+  if c.family == "sdar" and c.rl.p_mask_prompt:
+    bad("rl.p_mask_prompt", "block diffusion never noises the prompt; set 0")
+  if c.sampler.temperature < 0:
+    bad("sampler.temperature", "must be >= 0")
+  if c.family == "llada":
+    if c.sampler.gen_length % c.sampler.block_length:
+      bad("sampler.block_length", f"must divide sampler.gen_length={c.sampler.gen_length}")
+    if c.sampler.steps % (c.sampler.gen_length // c.sampler.block_length):
+      bad("sampler.steps", "must be a multiple of gen_length / block_length")
+  if c.task.prompt_style not in ("compact", "plain"):
+    bad("task.prompt_style", "expected 'compact' or 'plain'")
+  if c.task.chat and c.model.tokenizer == "char":
+    bad("task.chat", "the char tokenizer has no chat template")
+  if c.model.tokenizer != "char" and not c.model.checkpoint:
+    bad("model.tokenizer", "a Hugging Face tokenizer needs model.checkpoint")
+  if c.model.checkpoint:
+    import os
+    if not os.path.isdir(c.model.checkpoint):
+      bad("model.checkpoint", "no such directory")
+  if c.task.source == "local":
+    import os
+    if not os.path.isdir(c.task.source_dir):
+      bad("task.source_dir", "no such directory (task.source='local' reads files from it)")
+  elif c.task.source not in ("generated", "public"):
+    bad("task.source", "expected 'generated', 'local' or 'public'")
+  for name, weight in c.task.reward_weights.items():
+    if not isinstance(weight, (int, float)):
+      raise ValueError(f"config.task.reward_weights.{name}={weight!r}: must be a number")
+
+
+PRESETS = ("tiny", "smoke", "8b")
+
+
+def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
+  """`tiny` is the default; `smoke` the same path in minutes; `8b` the published settings."""
+  if preset not in PRESETS:
+    raise ValueError(f"unknown config preset {preset!r}: expected one of {PRESETS}")
+  if preset == "smoke":
+    c.model.n_layers, c.model.d_model, c.model.mlp_dim = 2, 64, 128
+    c.task.num_train, c.task.num_test = 256, 32
+    c.sft.steps, c.sft.batch_size = 6, 16
+    c.rl.steps, c.rl.prompts_per_step, c.rl.group_size = 6, 4, 4
+    c.sampler.steps = 5 if c.family == "llada" else 2
+    c.eval.num_examples, c.eval.every = 32, 4
+    c.checkpoint.every = 4
+  elif preset == "8b":
+    # SPEC §6: the official StableDRL settings (GSM8K), fp32 master weights, bf16 compute.
+    c.model.checkpoint = "/path/to/checkpoint"  # must be overridden
+    c.model.tokenizer = "checkpoint"
+    c.model.compute_dtype = "bfloat16"
+    c.model.remat = True
+    c.task.name, c.task.source, c.task.source_dir = "gsm8k", "local", "../shared/data/gsm8k"
+    c.task.prompt_style, c.task.chat, c.task.max_prompt_len = "plain", True, 512
+    c.sft.steps = 0
+    c.rl.steps = 1000
+    c.rl.lr, c.optim.decay_steps, c.optim.grad_clip = 2e-6, 2000, 0.2
+    c.rl.group_size, c.rl.updates_per_batch, c.rl.accumulation = 16, 2, 4
+    c.rl.prompts_per_step = 16
+    c.rl.num_samples = 2
+    c.rl.max_ratio = 5.0  # the official code clips the ratio at 5 from above
+    c.sampler.gen_length, c.sampler.temperature = 256, 0.9
+    c.eval.num_examples, c.eval.every, c.eval.batch_size = 1319, 100, 64
+    c.checkpoint.every, c.log_every = 25, 1

@@ -1,0 +1,82 @@
+"""Per-token log-probabilities of a batch under Monte Carlo masks: the model side of the ELBO.
+
+`estimators` decides which tokens to mask and how to weigh them; this module runs the model on
+the corrupted copies and returns `log p_θ(x_i | x_t)` for every position, `[B, M, T]`. Full
+attention models (LLaDA) see each corrupted copy on its own; block-diffusion models (SDAR) see
+`[x_t ; x_0]` through the staircase mask, so one forward gives every block's logits conditioned on
+its clean prefix (SPEC §4).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from stabledrl_jax import estimators
+from stabledrl_jax import samplers
+from stabledrl_jax.samplers import Rollout
+
+Array = jax.Array
+
+
+class Sequences(NamedTuple):
+  """A batch of prompt + completion in a sampler layout (see `samplers`)."""
+  tokens_BxT: Array
+  positions_BxT: Array
+  valid_BxT: Array       # real tokens
+  prompt_BxT: Array      # prompt tokens
+  completion_BxT: Array  # the generated region (noised by estimators)
+  counted_BxT: Array     # completion positions that count (up to the first stop token)
+
+
+def from_rollout(rollout: Rollout) -> Sequences:
+  completion = rollout.valid_BxT & ~rollout.prompt_mask_BxT
+  return Sequences(rollout.tokens_BxT, rollout.positions_BxT, rollout.valid_BxT,
+                   rollout.prompt_mask_BxT, completion, rollout.completion_mask_BxT)
+
+
+def sample(key: Array, seqs: Sequences, *, scheme: str, num_samples: int, p_mask_prompt: float,
+           block_size: int) -> estimators.MaskSample:
+  """`estimators.sample_masks` for this batch's completion, counted and prompt positions."""
+  return estimators.sample_masks(key, seqs.completion_BxT, scheme=scheme, num_samples=num_samples,
+                                 counted_BxL=seqs.counted_BxT, prompt_BxL=seqs.prompt_BxT,
+                                 p_mask_prompt=p_mask_prompt, block_size=block_size)
+
+
+def masked_logp(model, seqs: Sequences, noised_BxMxL: Array, *, staircase: bool,
+                block_size: int | None = None) -> Array:
+  """float32 `log p(x_i | x_t)` for every position of every masked copy, `[B, M, T]`."""
+  b, m, t = noised_BxMxL.shape
+  cfg = model.config
+  noisy = estimators.apply_masks(seqs.tokens_BxT, noised_BxMxL, cfg.mask_token_id).reshape(b * m, t)
+
+  def tile(x_BxT):
+    return jnp.repeat(x_BxT, m, axis=0)
+
+  if staircase:
+    logits = model.staircase_logits(noisy, tile(seqs.tokens_BxT), block_size=block_size,
+                                    positions=tile(seqs.positions_BxT), valid_BxN=tile(seqs.valid_BxT))
+  else:
+    logits = model.logits(noisy, attention="full", positions=tile(seqs.positions_BxT),
+                          valid_BxL=tile(seqs.valid_BxT))
+  return estimators.token_logp(logits, tile(seqs.tokens_BxT)).reshape(b, m, t)
+
+
+def teacher_forced(prompt_BxP: Array, prompt_valid_BxP: Array, completion_BxG: Array, *,
+                   family: str, block_size: int | None, mask_id: int) -> Sequences:
+  """Prompts and given completions in the sampler's layout (SFT data), every completion slot
+  counted (stop-token padding included, so the model learns to stop)."""
+  g = completion_BxG.shape[1]
+  if family == "llada":
+    tokens, positions, valid, prompt = samplers.llada_layout(prompt_BxP, prompt_valid_BxP, g, mask_id)
+    generated = valid & ~prompt
+    start_B = jnp.full((tokens.shape[0],), prompt_BxP.shape[1], jnp.int32)
+  else:
+    tokens, positions, valid, prompt, generated, _, _ = samplers.sdar_layout(
+        prompt_BxP, prompt_valid_BxP, g, block_size, mask_id)
+    start_B = jnp.argmax(generated, axis=1).astype(jnp.int32)
+  offset_BxT = jnp.clip(jnp.arange(tokens.shape[1])[None, :] - start_B[:, None], 0, g - 1)
+  filled = jnp.take_along_axis(completion_BxG.astype(jnp.int32), offset_BxT, axis=1)
+  tokens = jnp.where(generated, filled, tokens)
+  return Sequences(tokens, positions, valid, prompt, generated, generated)

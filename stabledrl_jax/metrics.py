@@ -1,0 +1,116 @@
+"""Run logging: `metrics.jsonl` (one JSON object per step), TensorBoard events, a console progress
+line, and a PNG of the curves at the end. Only process 0 writes."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any
+
+import jax
+
+
+def _clean(v: Any) -> Any:
+  if hasattr(v, "item"):
+    v = v.item()
+  if isinstance(v, float) and not math.isfinite(v):
+    return str(v)  # JSON has no nan/inf
+  return v
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_jsonl(path: str, last_step: int) -> None:
+  """Drop records after `last_step`: a resumed run rewrites them exactly."""
+  rows = [r for r in read_jsonl(path) if r["step"] <= last_step]
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    for r in rows:
+      f.write(json.dumps(r) + "\n")
+  os.replace(tmp, path)
+
+
+class MetricsWriter:
+  """Appends step records to WORKDIR/metrics.jsonl and WORKDIR/tb; prints progress lines."""
+
+  def __init__(self, workdir: str, *, total_steps: int, resume_step: int | None):
+    self.active = jax.process_index() == 0
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    self.eval_path = os.path.join(workdir, "eval.jsonl")
+    self.total = total_steps
+    self._t0 = time.time()
+    self._steps_done = 0
+    self._tb = None
+    if not self.active:
+      return
+    for p in (self.path, self.eval_path):
+      if resume_step is None:
+        open(p, "w").close()
+      else:
+        truncate_jsonl(p, resume_step)
+    from tensorboardX import SummaryWriter
+    self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+
+  def write(self, step: int, record: dict[str, Any], *, eval_record: bool = False) -> None:
+    if not self.active:
+      return
+    record = {"step": step, **{k: _clean(v) for k, v in record.items()}}
+    with open(self.eval_path if eval_record else self.path, "a") as f:
+      f.write(json.dumps(record) + "\n")
+    prefix = "eval/" if eval_record else ""
+    for k, v in record.items():
+      if k != "step" and isinstance(v, (int, float)):
+        self._tb.add_scalar(prefix + k, v, step)
+
+  def progress(self, step: int, stage: str, record: dict[str, Any]) -> None:
+    self._steps_done += 1
+    if not self.active:
+      return
+    elapsed = time.time() - self._t0
+    eta = elapsed / self._steps_done * (self.total - step - 1)
+    parts = [f"[{stage}] step {step + 1}/{self.total}", f"loss {record['loss']:.4f}"]
+    if "reward_mean" in record:
+      parts.append(f"reward {record['reward_mean']:.3f}")
+    parts += [f"grad {record['grad_norm']:.3g}"]
+    if "clip_fraction" in record:
+      parts.append(f"clip {record['clip_fraction']:.2f}")
+    parts += [f"{record['tokens_per_s']:.0f} tok/s", f"ETA {int(eta // 60)}m{int(eta % 60):02d}s"]
+    print(" | ".join(parts), flush=True)
+
+  def close(self) -> None:
+    if self._tb is not None:
+      self._tb.close()
+
+
+def plot_curves(workdir: str) -> str | None:
+  """WORKDIR/curves.png: loss, reward, gradient norm and held-out accuracy against step."""
+  rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  evals = read_jsonl(os.path.join(workdir, "eval.jsonl"))
+  if not rows or jax.process_index() != 0:
+    return None
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  panels = [("loss", "loss"), ("reward_mean", "RL reward"), ("grad_norm", "gradient norm")]
+  fig, axes = plt.subplots(1, 4, figsize=(16, 3.5))
+  for ax, (key, title) in zip(axes, panels):
+    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    if pts:
+      ax.plot(*zip(*pts), lw=1)
+    ax.set_title(title)
+    ax.set_xlabel("step")
+  if evals:
+    axes[3].plot([e["step"] for e in evals], [e["accuracy"] for e in evals], "o-")
+  axes[3].set_title("held-out accuracy")
+  axes[3].set_xlabel("step")
+  fig.tight_layout()
+  path = os.path.join(workdir, "curves.png")
+  fig.savefig(path, dpi=80)
+  plt.close(fig)
+  return path

@@ -1,0 +1,281 @@
+"""Hugging Face checkpoints <-> the NNX transformer: LLaDA, SDAR and Qwen3 (SPEC §6).
+
+Loading reads `config.json`, builds the model abstractly (no parameter memory), then streams
+the safetensors tensor by tensor into (sharded) device arrays: the host holds one tensor at a time.
+"""
+import dataclasses
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from stabledrl_jax.models import safetensors_io
+from stabledrl_jax.models.config import ModelConfig
+from stabledrl_jax.models.transformer import Transformer
+
+FAMILY_OF_MODEL_TYPE = {"llada": "llada", "sdar": "sdar", "qwen3": "sdar"}
+# Logical axis -> mesh axis (issue 7 names: data, fsdp, tensor); unknown mesh axes are skipped.
+DEFAULT_RULES = {"embed": "fsdp", "heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
+
+
+class CheckpointError(ValueError):
+  """A checkpoint that does not match the model: names the tensor and the shapes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSpec:
+  path: tuple  # attribute path in the NNX model
+  hf_name: str
+  transpose: bool  # torch Linear stores (out, in); our kernels are (in, out)
+  logical_axes: tuple  # of the model-side array
+
+
+def _get(c: dict, *keys, default=None):
+  for key in keys:
+    if c.get(key) is not None:
+      return c[key]
+  return default
+
+
+def _first(token):
+  return token[0] if isinstance(token, (list, tuple)) else token
+
+
+def config_from_hf(hf: dict, *, compute_dtype: str = "bfloat16",
+                   param_dtype: str = "float32") -> ModelConfig:
+  """ModelConfig from a Hugging Face config.json dict (LLaDA, SDAR or Qwen3 keys)."""
+  model_type = hf.get("model_type")
+  if model_type not in FAMILY_OF_MODEL_TYPE:
+    raise ValueError(f"unknown model_type {model_type!r}; supported: {sorted(FAMILY_OF_MODEL_TYPE)}")
+  dtypes = dict(compute_dtype=compute_dtype, param_dtype=param_dtype)
+  if model_type == "llada":
+    for key, ok in (("include_bias", False), ("include_qkv_bias", False),
+                    ("attention_layer_norm", False), ("alibi", False)):
+      if hf.get(key, ok) != ok:
+        raise ValueError(f"LLaDA config {key}={hf[key]!r} is not supported")
+    d, heads = hf["d_model"], hf["n_heads"]
+    eos = _first(hf.get("eos_token_id"))
+    return ModelConfig(
+        family="llada", model_type="llada",
+        vocab_size=_get(hf, "embedding_size", "vocab_size"), d_model=d, n_layers=hf["n_layers"],
+        n_heads=heads, n_kv_heads=_get(hf, "n_kv_heads", default=heads), head_dim=d // heads,
+        mlp_dim=_get(hf, "mlp_hidden_size", default=hf.get("mlp_ratio", 4) * d),
+        rope_theta=float(hf.get("rope_theta", 10000.0)), norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        qk_norm=False, mask_token_id=hf.get("mask_token_id", 126336), eos_token_id=eos,
+        pad_token_id=hf.get("pad_token_id"),
+        stop_token_ids=tuple(t for t in (eos, 126348 if eos == 126081 else None) if t is not None),
+        block_size=None, tie_word_embeddings=bool(hf.get("weight_tying", False)),
+        max_seq_len=hf.get("max_sequence_length", 4096), **dtypes)
+  rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+  if rope.get("rope_type", rope.get("type", "default")) != "default":
+    raise ValueError(f"rope scaling {rope!r} is not supported")
+  if hf.get("attention_bias") or hf.get("use_sliding_window"):
+    raise ValueError("attention_bias / use_sliding_window are not supported")
+  d, heads = hf["hidden_size"], hf["num_attention_heads"]
+  eos_all = hf.get("eos_token_id")
+  eos_list = list(eos_all) if isinstance(eos_all, (list, tuple)) else [eos_all]
+  vocab = hf["vocab_size"]
+  default_mask = 151669 if vocab == 151936 else None  # SDAR's <|MASK|> in the Qwen3 tokenizer
+  return ModelConfig(
+      family="sdar", model_type=model_type, vocab_size=vocab, d_model=d,
+      n_layers=hf["num_hidden_layers"], n_heads=heads,
+      n_kv_heads=_get(hf, "num_key_value_heads", default=heads),
+      head_dim=_get(hf, "head_dim", default=d // heads), mlp_dim=hf["intermediate_size"],
+      rope_theta=float(_get(rope, "rope_theta", default=hf.get("rope_theta", 10000.0))),
+      norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qk_norm=True,
+      mask_token_id=hf.get("mask_token_id", default_mask), eos_token_id=eos_list[0],
+      pad_token_id=hf.get("pad_token_id"),
+      stop_token_ids=tuple(t for t in eos_list if t is not None),
+      block_size=hf.get("block_size", 4),
+      tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      max_seq_len=hf.get("max_position_embeddings", 32768), **dtypes)
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+  """config.json dict that `config_from_hf` (and the family's own code) reads back."""
+  dtype = {"float32": "float32", "bfloat16": "bfloat16"}.get(cfg.param_dtype, cfg.param_dtype)
+  if cfg.family == "llada":
+    return {
+        "model_type": "llada", "architectures": ["LLaDAModelLM"], "d_model": cfg.d_model,
+        "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads,
+        "mlp_hidden_size": cfg.mlp_dim, "vocab_size": cfg.vocab_size,
+        "embedding_size": cfg.vocab_size, "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.norm_eps, "mask_token_id": cfg.mask_token_id,
+        "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
+        "max_sequence_length": cfg.max_seq_len, "weight_tying": False, "include_bias": False,
+        "block_type": "llama", "layer_norm_type": "rms", "activation_type": "silu", "rope": True,
+        "torch_dtype": dtype}
+  eos = list(cfg.stop_token_ids) if len(cfg.stop_token_ids) > 1 else cfg.eos_token_id
+  out = {
+      "model_type": cfg.model_type or "qwen3",
+      "architectures": ["SDARForCausalLM" if cfg.model_type == "sdar" else "Qwen3ForCausalLM"],
+      "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers,
+      "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+      "head_dim": cfg.head_dim, "intermediate_size": cfg.mlp_dim, "vocab_size": cfg.vocab_size,
+      "rope_theta": cfg.rope_theta,
+      "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+      "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu", "attention_bias": False,
+      "tie_word_embeddings": False, "eos_token_id": eos, "pad_token_id": cfg.pad_token_id,
+      "max_position_embeddings": cfg.max_seq_len, "torch_dtype": dtype, "dtype": dtype}
+  if cfg.mask_token_id is not None:
+    out["mask_token_id"] = cfg.mask_token_id
+  if cfg.block_size is not None:
+    out["block_size"] = cfg.block_size
+  return out
+
+
+def weight_specs(cfg: ModelConfig) -> list[WeightSpec]:
+  """Every parameter with its Hugging Face name (SPEC §6 tables)."""
+  norm, lin_in, lin_out = ("norm",), ("embed", "heads"), ("heads", "embed")
+  mlp_in, mlp_out = ("embed", "mlp"), ("mlp", "embed")
+  if cfg.family == "llada":
+    p = "model.transformer."
+    layer_names = {"attn_norm": "attn_norm", "mlp_norm": "ff_norm", "q_proj": "q_proj",
+                   "k_proj": "k_proj", "v_proj": "v_proj", "o_proj": "attn_out",
+                   "gate_proj": "ff_proj", "up_proj": "up_proj", "down_proj": "ff_out"}
+    top = [WeightSpec(("embed", "embedding"), p + "wte.weight", False, ("vocab", "embed")),
+           WeightSpec(("final_norm", "scale"), p + "ln_f.weight", False, norm),
+           WeightSpec(("head", "kernel"), p + "ff_out.weight", True, ("embed", "vocab"))]
+    layer_prefix = p + "blocks.{}."
+  else:
+    layer_names = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+                   "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj",
+                   "v_proj": "self_attn.v_proj", "o_proj": "self_attn.o_proj",
+                   "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
+                   "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+                   "down_proj": "mlp.down_proj"}
+    top = [WeightSpec(("embed", "embedding"), "model.embed_tokens.weight", False, ("vocab", "embed")),
+           WeightSpec(("final_norm", "scale"), "model.norm.weight", False, norm),
+           WeightSpec(("head", "kernel"), "lm_head.weight", True, ("embed", "vocab"))]
+    layer_prefix = "model.layers.{}."
+  ours = {"attn_norm": (("attn_norm", "scale"), False, norm),
+          "mlp_norm": (("mlp_norm", "scale"), False, norm),
+          "q_proj": (("attn", "q_proj", "kernel"), True, lin_in),
+          "k_proj": (("attn", "k_proj", "kernel"), True, lin_in),
+          "v_proj": (("attn", "v_proj", "kernel"), True, lin_in),
+          "o_proj": (("attn", "o_proj", "kernel"), True, lin_out),
+          "q_norm": (("attn", "q_norm", "scale"), False, norm),
+          "k_norm": (("attn", "k_norm", "scale"), False, norm),
+          "gate_proj": (("gate_proj", "kernel"), True, mlp_in),
+          "up_proj": (("up_proj", "kernel"), True, mlp_in),
+          "down_proj": (("down_proj", "kernel"), True, mlp_out)}
+  specs = list(top)
+  for i in range(cfg.n_layers):
+    for key, hf_suffix in layer_names.items():
+      path, transpose, axes = ours[key]
+      specs.append(WeightSpec(("blocks", i) + path, layer_prefix.format(i) + hf_suffix + ".weight",
+                              transpose, axes))
+  return specs
+
+
+def param_sharding(mesh: Mesh, logical_axes: tuple, shape: tuple,
+                   rules: dict | None = None) -> NamedSharding:
+  """NamedSharding for one parameter: a logical axis maps to its mesh axis when that axis
+  exists and divides the dimension; otherwise the dimension is replicated."""
+  rules = DEFAULT_RULES if rules is None else rules
+  spec = []
+  for axis, dim in zip(logical_axes, shape):
+    mesh_axis = rules.get(axis)
+    ok = mesh_axis in mesh.shape and dim % mesh.shape[mesh_axis] == 0
+    spec.append(mesh_axis if ok else None)
+  return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def _variable(model, path):
+  obj = model
+  for key in path:
+    obj = obj[key] if isinstance(key, int) else getattr(obj, key)
+  return obj
+
+
+def read_hf_config(hf_dir: str) -> dict:
+  """The parsed config.json of a checkpoint directory."""
+  path = os.path.join(hf_dir, "config.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"missing {path}")
+  with open(path) as f:
+    return json.load(f)
+
+
+def load_pretrained(hf_dir: str, *, dtype: str = "bfloat16", param_dtype: str = "float32",
+                    mesh: Mesh | None = None, rules: dict | None = None
+                    ) -> tuple[Transformer, ModelConfig]:
+  """Load a LLaDA / SDAR / Qwen3 checkpoint; `dtype` is the compute dtype.
+
+  With a mesh, each tensor goes straight to its NamedSharding (each process builds only its
+  addressable shards), so no full copy of the model ever sits in host memory.
+  """
+  cfg = config_from_hf(read_hf_config(hf_dir), compute_dtype=dtype, param_dtype=param_dtype)
+  entries = safetensors_io.index_checkpoint(hf_dir)
+  model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  for spec in weight_specs(cfg):
+    variable = _variable(model, spec.path)
+    shape = tuple(variable.get_value().shape)
+    hf_name = spec.hf_name
+    if hf_name not in entries and spec.path == ("head", "kernel") and cfg.tie_word_embeddings:
+      hf_name = weight_specs(cfg)[0].hf_name  # tied checkpoints store the head as the embedding
+    if hf_name not in entries:
+      raise CheckpointError(f"missing tensor {hf_name!r} in {hf_dir}")
+    entry = entries[hf_name]
+    want = shape[::-1] if spec.transpose else shape
+    if entry.shape != want:
+      raise CheckpointError(f"tensor {hf_name!r} has shape {entry.shape}, expected {want}")
+    host = entry.read()
+    if spec.transpose:
+      host = host.T
+    host = host.astype(param_dtype, copy=False)
+    if mesh is None:
+      value = jax.device_put(host)
+    else:
+      sharding = param_sharding(mesh, spec.logical_axes, shape, rules)
+      value = jax.make_array_from_callback(shape, sharding, lambda idx, h=host: h[idx])
+    variable.set_value(value)
+    del host  # drop the host copy before the next tensor is read
+  return model, cfg
+
+
+def export_pretrained(model: Transformer, out_dir: str, *, dtype: str | None = None,
+                      max_shard_bytes: int = 5 * 2**30, source_dir: str | None = None) -> None:
+  """Write `model` as Hugging Face safetensors + config.json (the head always untied).
+
+  `dtype` defaults to the parameter dtype (lossless); `source_dir` copies that checkpoint's other
+  files (tokenizer, remote code, config keys we do not model) so other tools can serve the result.
+  """
+  cfg = model.config
+  dtype = np.dtype(dtype or cfg.param_dtype)
+  specs = {s.hf_name: s for s in weight_specs(cfg)}
+  tensors = []
+  for name, spec in specs.items():
+    shape = tuple(_variable(model, spec.path).get_value().shape)
+    tensors.append((name, shape[::-1] if spec.transpose else shape, dtype))
+
+  def fetch(name: str) -> np.ndarray:
+    value = _variable(model, specs[name].path).get_value()
+    if not value.is_fully_addressable:
+      from jax.experimental import multihost_utils
+      value = multihost_utils.process_allgather(value, tiled=True)
+    host = np.asarray(jax.device_get(value))
+    return host.T if specs[name].transpose else host
+
+  hf_config = config_to_hf(cfg)
+  if source_dir is not None:
+    for name in os.listdir(source_dir):
+      src = os.path.join(source_dir, name)
+      if (os.path.isfile(src) and not name.endswith(".safetensors")
+          and name not in (safetensors_io.INDEX_FILE, "config.json")):
+        os.makedirs(out_dir, exist_ok=True)
+        shutil.copy(src, os.path.join(out_dir, name))
+    hf_config = {**read_hf_config(source_dir), **hf_config}
+    if cfg.family == "llada":
+      hf_config["weight_tying"] = False
+  if jax.process_index() == 0:
+    safetensors_io.write_checkpoint(out_dir, tensors, fetch, max_shard_bytes)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+      json.dump(hf_config, f, indent=2)
+  else:
+    for name, _, _ in tensors:  # every process joins the gathers
+      fetch(name)

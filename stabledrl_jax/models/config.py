@@ -1,0 +1,123 @@
+"""Model shapes and special token ids: one dataclass, one preset per published checkpoint."""
+import dataclasses
+from typing import Callable
+
+FAMILIES = ("llada", "sdar")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Everything the transformer and the checkpoint mapping need; hashable, so jit can close over it."""
+
+  family: str  # "llada" (LLaMA-like, full attention) or "sdar" (Qwen3, block diffusion)
+  vocab_size: int  # rows of the embedding / columns of the head
+  d_model: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  rope_theta: float
+  norm_eps: float
+  qk_norm: bool  # RMS norm per head on q and k before RoPE (Qwen3/SDAR)
+  mask_token_id: int | None
+  eos_token_id: int | None
+  pad_token_id: int | None = None
+  stop_token_ids: tuple[int, ...] = ()
+  block_size: int | None = None  # SDAR's trained block length; None for full attention models
+  model_type: str = ""  # the Hugging Face model_type written on export
+  tie_word_embeddings: bool = False  # how the checkpoint stores the head; the model is always untied
+  max_seq_len: int = 4096
+  param_dtype: str = "float32"
+  compute_dtype: str = "bfloat16"
+  remat: bool = False  # rematerialise each block in the backward pass
+
+  def __post_init__(self):
+    if self.family not in FAMILIES:
+      raise ValueError(f"unknown model family {self.family!r}; expected one of {FAMILIES}")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even for rotate-half RoPE")
+
+  @property
+  def num_params(self) -> int:
+    """Parameter count of the (untied) model."""
+    d, h = self.d_model, self.head_dim
+    attn = d * h * (2 * self.n_heads + 2 * self.n_kv_heads) + (2 * h if self.qk_norm else 0)
+    block = attn + 3 * d * self.mlp_dim + 2 * d
+    return 2 * self.vocab_size * d + self.n_layers * block + d
+
+
+def replace(config: ModelConfig, **changes) -> ModelConfig:
+  """A copy of `config` with fields changed (e.g. compute_dtype, remat)."""
+  return dataclasses.replace(config, **changes)
+
+
+def tiny(**changes) -> ModelConfig:
+  """CPU tests and demos: 2 layers, D=64, GQA and q/k-norm on (SDAR family)."""
+  base = ModelConfig(
+      family="sdar", model_type="sdar", vocab_size=128, d_model=64, n_layers=2, n_heads=4,
+      n_kv_heads=2, head_dim=16, mlp_dim=128, rope_theta=10000.0, norm_eps=1e-6, qk_norm=True,
+      mask_token_id=127, eos_token_id=1, pad_token_id=0, stop_token_ids=(1,), block_size=4,
+      max_seq_len=256, compute_dtype="float32")
+  return dataclasses.replace(base, **changes)
+
+
+def bench_100m(**changes) -> ModelConfig:
+  """~100M parameters (12 x 768, GQA 12/4, vocab 16384) for CPU/GPU throughput benchmarks."""
+  base = ModelConfig(
+      family="sdar", model_type="qwen3", vocab_size=16384, d_model=768, n_layers=12, n_heads=12,
+      n_kv_heads=4, head_dim=64, mlp_dim=2048, rope_theta=1e6, norm_eps=1e-6, qk_norm=True,
+      mask_token_id=16383, eos_token_id=1, pad_token_id=0, stop_token_ids=(1,), block_size=4,
+      max_seq_len=2048)
+  return dataclasses.replace(base, **changes)
+
+
+def llada_8b(**changes) -> ModelConfig:
+  """GSAI-ML/LLaDA-8B-Instruct (SPEC §6): LLaMA-like MHA, full attention."""
+  base = ModelConfig(
+      family="llada", model_type="llada", vocab_size=126464, d_model=4096, n_layers=32,
+      n_heads=32, n_kv_heads=32, head_dim=128, mlp_dim=12288, rope_theta=500000.0,
+      norm_eps=1e-5, qk_norm=False, mask_token_id=126336, eos_token_id=126081,
+      pad_token_id=126081, stop_token_ids=(126081, 126348), block_size=None, max_seq_len=4096)
+  return dataclasses.replace(base, **changes)
+
+
+def _sdar(n_layers, d_model, mlp_dim, n_heads, tied, changes) -> ModelConfig:
+  # SDAR keeps the Qwen3 shapes and tokenizer; its mask token <|MASK|> is 151669.
+  base = ModelConfig(
+      family="sdar", model_type="sdar", vocab_size=151936, d_model=d_model, n_layers=n_layers,
+      n_heads=n_heads, n_kv_heads=8, head_dim=128, mlp_dim=mlp_dim, rope_theta=1e6,
+      norm_eps=1e-6, qk_norm=True, mask_token_id=151669, eos_token_id=151643,
+      pad_token_id=151643, stop_token_ids=(151643, 151645), block_size=4,
+      tie_word_embeddings=tied, max_seq_len=32768)
+  return dataclasses.replace(base, **changes)
+
+
+def sdar_1p7b(**changes) -> ModelConfig:
+  """JetLM/SDAR-1.7B-Chat: Qwen3-1.7B shapes (28 x 2048, 16/8 heads, MLP 6144, tied embeddings)."""
+  return _sdar(28, 2048, 6144, 16, True, changes)
+
+
+def sdar_4b(**changes) -> ModelConfig:
+  """JetLM/SDAR-4B-Chat: Qwen3-4B shapes (36 x 2560, 32/8 heads, MLP 9728, tied embeddings)."""
+  return _sdar(36, 2560, 9728, 32, True, changes)
+
+
+def sdar_8b(**changes) -> ModelConfig:
+  """JetLM/SDAR-8B-Chat (SPEC §6): 36 x 4096, 32/8 heads, MLP 12288, untied head."""
+  return _sdar(36, 4096, 12288, 32, False, changes)
+
+
+PRESETS: dict[str, Callable[..., ModelConfig]] = {
+    "tiny": tiny, "bench_100m": bench_100m, "llada_8b": llada_8b,
+    "sdar_1p7b": sdar_1p7b, "sdar_4b": sdar_4b, "sdar_8b": sdar_8b,
+}
+
+
+def preset(name: str, **changes) -> ModelConfig:
+  """Look up a preset by name, with optional field overrides."""
+  if name not in PRESETS:
+    raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
+  return PRESETS[name](**changes)

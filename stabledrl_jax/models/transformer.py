@@ -1,0 +1,265 @@
+"""One configurable NNX transformer for both families: LLaDA (LLaMA-like) and SDAR (Qwen3).
+
+Float32 parameters, `config.compute_dtype` activations, float32 logits. Entry points:
+`logits` (full / block-causal), `staircase_logits` (dual stream, SPEC §4) and `cached_logits`
+with a preallocated `KVCache` (SDAR block decoding, SPEC §5).
+"""
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from stabledrl_jax.models import attention as attn_lib
+from stabledrl_jax.models.config import ModelConfig
+
+_INIT = nnx.initializers.normal(0.02)
+
+
+class RMSNorm(nnx.Module):
+  """y = x / rms(x) * scale, statistics in float32 whatever the compute dtype."""
+
+  def __init__(self, dim: int, eps: float, *, param_dtype):
+    self.eps = eps
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_cos_sin(positions_BxL: jax.Array, head_dim: int, theta: float):
+  """Rotate-half RoPE tables [B, L, H] in float32."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  angle_BxLxH2 = positions_BxL.astype(jnp.float32)[..., None] * inv_freq
+  angle_BxLxH = jnp.concatenate([angle_BxLxH2, angle_BxLxH2], axis=-1)
+  return jnp.cos(angle_BxLxH), jnp.sin(angle_BxLxH)
+
+
+def apply_rope(x_BxLxNxH: jax.Array, cos_BxLxH: jax.Array, sin_BxLxH: jax.Array) -> jax.Array:
+  """Rotate pairs (i, i + H/2) by the position angle (the Hugging Face / LLaMA convention)."""
+  x = x_BxLxNxH.astype(jnp.float32)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  out = x * cos_BxLxH[:, :, None, :] + rotated * sin_BxLxH[:, :, None, :]
+  return out.astype(x_BxLxNxH.dtype)
+
+
+def _linear(d_in: int, d_out: int, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Linear:
+  return nnx.Linear(d_in, d_out, use_bias=False, dtype=cfg.compute_dtype,
+                    param_dtype=cfg.param_dtype, kernel_init=_INIT, rngs=rngs)
+
+
+class Attention(nnx.Module):
+  """MHA / GQA with optional per-head q/k RMS norm before RoPE."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    self.q_proj = _linear(cfg.d_model, cfg.n_heads * cfg.head_dim, cfg, rngs)
+    self.k_proj = _linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg, rngs)
+    self.v_proj = _linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg, rngs)
+    self.o_proj = _linear(cfg.n_heads * cfg.head_dim, cfg.d_model, cfg, rngs)
+    self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, param_dtype=cfg.param_dtype) if cfg.qk_norm else None
+    self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, param_dtype=cfg.param_dtype) if cfg.qk_norm else None
+
+  def __call__(self, x_BxTxD, cos_BxTxH, sin_BxTxH, mask_Bx1xTxS, past_kv=None):
+    """Returns (output, (k, v) of these T tokens); keys are `past_kv` (S - T of them) + these."""
+    b, t, d = x_BxTxD.shape
+    # Projections on [B*T, D]: XLA:CPU then computes weight gradients without transposes.
+    x_MxD = x_BxTxD.reshape(b * t, d)
+    q_BxTxNxH = self.q_proj(x_MxD).reshape(b, t, self.n_heads, self.head_dim)
+    k_BxTxKxH = self.k_proj(x_MxD).reshape(b, t, self.n_kv_heads, self.head_dim)
+    v_BxTxKxH = self.v_proj(x_MxD).reshape(b, t, self.n_kv_heads, self.head_dim)
+    if self.q_norm is not None:
+      q_BxTxNxH, k_BxTxKxH = self.q_norm(q_BxTxNxH), self.k_norm(k_BxTxKxH)
+    q_BxTxNxH = apply_rope(q_BxTxNxH, cos_BxTxH, sin_BxTxH)
+    k_BxTxKxH = apply_rope(k_BxTxKxH, cos_BxTxH, sin_BxTxH)
+    new_kv = (k_BxTxKxH, v_BxTxKxH)
+    k_BxSxKxH, v_BxSxKxH = k_BxTxKxH, v_BxTxKxH
+    if past_kv is not None:
+      past_k, past_v = past_kv
+      k_BxSxKxH = jnp.concatenate([past_k.astype(k_BxTxKxH.dtype), k_BxTxKxH], axis=1)
+      v_BxSxKxH = jnp.concatenate([past_v.astype(v_BxTxKxH.dtype), v_BxTxKxH], axis=1)
+    # GQA is native here: K/V with fewer heads are broadcast over each query group.
+    out_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask_Bx1xTxS)
+    out_MxD = self.o_proj(out_BxTxNxH.reshape(b * t, self.n_heads * self.head_dim))
+    return out_MxD.reshape(b, t, d), new_kv
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: attention then SwiGLU MLP."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=cfg.param_dtype)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=cfg.param_dtype)
+    self.gate_proj = _linear(cfg.d_model, cfg.mlp_dim, cfg, rngs)
+    self.up_proj = _linear(cfg.d_model, cfg.mlp_dim, cfg, rngs)
+    self.down_proj = _linear(cfg.mlp_dim, cfg.d_model, cfg, rngs)
+
+  def __call__(self, x_BxTxD, cos_BxTxH, sin_BxTxH, mask_Bx1xTxS, past_kv=None):
+    h_BxTxD, new_kv = self.attn(self.attn_norm(x_BxTxD), cos_BxTxH, sin_BxTxH, mask_Bx1xTxS, past_kv)
+    x_BxTxD = x_BxTxD + h_BxTxD
+    b, t, d = x_BxTxD.shape
+    y_MxD = self.mlp_norm(x_BxTxD).reshape(b * t, d)
+    mlp_MxD = self.down_proj(jax.nn.silu(self.gate_proj(y_MxD)) * self.up_proj(y_MxD))
+    return x_BxTxD + mlp_MxD.reshape(b, t, d), new_kv
+
+
+def _run_block(block: Block, x, cos, sin, mask, past_kv):
+  return block(x, cos, sin, mask, past_kv)
+
+
+_run_block_remat = nnx.remat(_run_block)
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Preallocated keys/values of committed (clean) tokens; slots [0, length) are filled.
+
+  `block_BxS` and `valid_BxS` feed the mask rule, so left-padded rows and block ids derived from
+  per-row positions work unchanged. Static shapes: jit compiles once per (batch, max_len).
+  """
+
+  k_LxBxSxKxH: jax.Array
+  v_LxBxSxKxH: jax.Array
+  block_BxS: jax.Array  # int32 block id of each slot
+  valid_BxS: jax.Array  # bool, False for empty slots and padding
+  length: jax.Array  # int32 scalar: next slot to write
+
+  @property
+  def max_len(self) -> int:
+    return self.k_LxBxSxKxH.shape[2]
+
+
+def _positions(positions, batch: int, length: int) -> jax.Array:
+  if positions is None:
+    positions = jnp.arange(length, dtype=jnp.int32)
+  return jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (batch, length))
+
+
+class Transformer(nnx.Module):
+  """Token ids -> float32 logits; no shift (the logit at i predicts token i)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.config = cfg
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.compute_dtype,
+                           param_dtype=cfg.param_dtype, embedding_init=_INIT, rngs=rngs)
+    self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=cfg.param_dtype)
+    self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype,
+                           param_dtype=cfg.param_dtype, kernel_init=_INIT, rngs=rngs)
+
+  def _trunk(self, ids_BxT, positions_BxT, mask_Bx1xTxS, past=None):
+    """Final-normed hidden states and the per-layer (k, v) of these tokens."""
+    cfg = self.config
+    x_BxTxD = self.embed(ids_BxT)
+    cos, sin = rope_cos_sin(positions_BxT, cfg.head_dim, cfg.rope_theta)
+    run = _run_block_remat if cfg.remat else _run_block
+    new_kvs = []
+    for i, block in enumerate(self.blocks):
+      past_kv = None if past is None else past[i]
+      x_BxTxD, kv = run(block, x_BxTxD, cos, sin, mask_Bx1xTxS, past_kv)
+      new_kvs.append(kv)
+    return self.final_norm(x_BxTxD), new_kvs
+
+  def _head(self, h_BxTxD: jax.Array) -> jax.Array:
+    kernel_DxV = self.head.kernel[...]
+    dtype = jnp.dtype(self.config.compute_dtype)
+    b, t, d = h_BxTxD.shape
+    logits_MxV = jnp.dot(h_BxTxD.reshape(b * t, d).astype(dtype), kernel_DxV.astype(dtype),
+                         preferred_element_type=jnp.float32)
+    return logits_MxV.reshape(b, t, -1)
+
+  def logits(self, input_ids_BxL: jax.Array, *, attention: str = "full",
+             block_size: int | None = None, positions=None, valid_BxL=None) -> jax.Array:
+    """Plain forward: `attention="full"` (bidirectional, LLaDA) or `"block_causal"` (SDAR).
+
+    `positions` ([L] or [B, L]) default to 0..L-1; `valid_BxL` marks real (non-padding) keys.
+    """
+    b, l = input_ids_BxL.shape
+    positions_BxL = _positions(positions, b, l)
+    if attention == "full":
+      mask = attn_lib.full_mask(l, valid_BxL)
+    elif attention == "block_causal":
+      block_size = block_size or self.config.block_size
+      if block_size is None:
+        raise ValueError("attention='block_causal' needs block_size (config has none)")
+      mask = attn_lib.block_causal_mask(positions_BxL, block_size, valid_BxL)
+    else:
+      raise ValueError(f"unknown attention {attention!r}; expected 'full' or 'block_causal'")
+    h_BxLxD, _ = self._trunk(input_ids_BxL, positions_BxL, mask)
+    return self._head(h_BxLxD)
+
+  def staircase_logits(self, noisy_ids_BxN: jax.Array, clean_ids_BxN: jax.Array, *,
+                       block_size: int | None = None, positions=None,
+                       valid_BxN=None) -> jax.Array:
+    """Logits [B, N, V] of the noisy stream, each block conditioned on its clean prefix only.
+
+    One forward over `[x_t ; x_0]` (length 2N, shared positions) replaces one forward per block.
+    """
+    block_size = block_size or self.config.block_size
+    if block_size is None:
+      raise ValueError("staircase attention needs block_size (config has none)")
+    b, n = noisy_ids_BxN.shape
+    positions_BxN = _positions(positions, b, n)
+    mask = attn_lib.staircase_mask(positions_BxN, block_size, valid_BxN)
+    ids_Bx2N = jnp.concatenate([noisy_ids_BxN, clean_ids_BxN], axis=1)
+    positions_Bx2N = jnp.concatenate([positions_BxN, positions_BxN], axis=1)
+    h_Bx2NxD, _ = self._trunk(ids_Bx2N, positions_Bx2N, mask)
+    return self._head(h_Bx2NxD[:, :n])
+
+  def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+    """An empty cache of `max_len` slots (dtype defaults to the compute dtype)."""
+    cfg = self.config
+    shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+    dtype = dtype or cfg.compute_dtype
+    return KVCache(k_LxBxSxKxH=jnp.zeros(shape, dtype), v_LxBxSxKxH=jnp.zeros(shape, dtype),
+                   block_BxS=jnp.zeros((batch, max_len), jnp.int32),
+                   valid_BxS=jnp.zeros((batch, max_len), bool),
+                   length=jnp.zeros((), jnp.int32))
+
+  def cached_logits(self, ids_BxT: jax.Array, cache: KVCache, *, positions_BxT: jax.Array,
+                    commit: bool, block_size: int | None = None, valid_BxT=None):
+    """Forward T new tokens against the cache: returns (logits [B, T, V], cache).
+
+    `commit=False` (denoising step): the tokens are the noisy current block; they see every
+    cached token of an earlier block and each other, and the cache is returned unchanged.
+    `commit=True` (prefill, or caching a finished block): the tokens are clean, attend
+    block-causally to the cache and themselves, and are written at slots [length, length + T).
+    The caller keeps length + T <= max_len (out-of-range writes are clamped by XLA).
+    """
+    block_size = block_size or self.config.block_size
+    if block_size is None:
+      raise ValueError("cached decoding needs block_size (config has none)")
+    b, t = ids_BxT.shape
+    positions_BxT = _positions(positions_BxT, b, t)
+    new_block_BxT = attn_lib.block_ids(positions_BxT, block_size)
+    new_valid_BxT = jnp.ones((b, t), bool) if valid_BxT is None else jnp.asarray(valid_BxT, bool)
+    noisy = not commit
+    mask = attn_lib.attention_mask(
+        new_block_BxT,
+        jnp.concatenate([cache.block_BxS, new_block_BxT], axis=1),
+        q_noisy_BxT=jnp.full((b, t), noisy),
+        k_noisy_BxS=jnp.concatenate(
+            [jnp.zeros(cache.block_BxS.shape, bool), jnp.full((b, t), noisy)], axis=1),
+        k_valid_BxS=jnp.concatenate([cache.valid_BxS, new_valid_BxT], axis=1))
+    past = [(cache.k_LxBxSxKxH[i], cache.v_LxBxSxKxH[i]) for i in range(self.config.n_layers)]
+    h_BxTxD, new_kvs = self._trunk(ids_BxT, positions_BxT, mask, past)
+    logits_BxTxV = self._head(h_BxTxD)
+    if commit:
+      k_new = jnp.stack([k for k, _ in new_kvs]).astype(cache.k_LxBxSxKxH.dtype)
+      v_new = jnp.stack([v for _, v in new_kvs]).astype(cache.v_LxBxSxKxH.dtype)
+      start = (0, 0, cache.length, 0, 0)
+      cache = KVCache(
+          k_LxBxSxKxH=jax.lax.dynamic_update_slice(cache.k_LxBxSxKxH, k_new, start),
+          v_LxBxSxKxH=jax.lax.dynamic_update_slice(cache.v_LxBxSxKxH, v_new, start),
+          block_BxS=jax.lax.dynamic_update_slice(cache.block_BxS, new_block_BxT, (0, cache.length)),
+          valid_BxS=jax.lax.dynamic_update_slice(cache.valid_BxS, new_valid_BxT, (0, cache.length)),
+          length=cache.length + t)
+    return logits_BxTxV, cache
+
+
+def create(cfg: ModelConfig, seed: int = 0) -> Transformer:
+  """A randomly initialised model."""
+  return Transformer(cfg, rngs=nnx.Rngs(seed))

@@ -1,0 +1,125 @@
+"""RL and SFT objectives on a model: the glue between `likelihood` and the pure `losses`.
+
+Each objective maps (model, a batch of scored rollouts, the behaviour policy's log-probs under
+the batch's masks) to `(loss, metrics)`. The behaviour policy's log-probs are computed once per
+rollout batch (`behaviour_logp`) and reused for all `μ` optimiser steps.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from stabledrl_jax import estimators, likelihood, losses
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+  """Static settings of the policy objective (hashable: part of the jitted step's signature)."""
+  name: str = "stabledrl"
+  group_size: int = 8
+  scheme: str = "block_random"
+  num_samples: int = 2
+  p_mask_prompt: float = 0.0
+  block_size: int = 32
+  staircase: bool = False
+  coupling: str = "coupled"
+  epsilon: float = 5.0
+  max_ratio: float | None = None
+  ppo_epsilon: float = 0.5
+  kl_coef: float = 0.0
+  spg_omega: float = 0.5
+  spg_beta: float = 1.5
+
+
+class RLBatch(NamedTuple):
+  seqs: likelihood.Sequences
+  advantages_B: Array
+  noised_old_BxMxT: Array  # the behaviour policy's masks (also the new policy's when coupled)
+  weight_old_BxMxT: Array
+  logp_old_BxMxT: Array
+  logp_ref_BxMxT: Array    # frozen reference model under the same masks; zeros when kl_coef = 0
+
+
+def draw_masks(key: Array, seqs: likelihood.Sequences, obj: Objective) -> estimators.MaskSample:
+  return likelihood.sample(key, seqs, scheme=obj.scheme, num_samples=obj.num_samples,
+                           p_mask_prompt=obj.p_mask_prompt, block_size=obj.block_size)
+
+
+def logp(model, seqs: likelihood.Sequences, noised_BxMxL: Array, obj: Objective) -> Array:
+  return likelihood.masked_logp(model, seqs, noised_BxMxL, staircase=obj.staircase,
+                                block_size=obj.block_size)
+
+
+def behaviour_logp(model, seqs: likelihood.Sequences, key: Array, obj: Objective):
+  """The old policy's masks and log-probs for a fresh rollout batch (no gradient)."""
+  masks = draw_masks(key, seqs, obj)
+  return masks, jax.lax.stop_gradient(logp(model, seqs, masks.noised_BxMxL, obj))
+
+
+def _per_token(logp_BxMxT: Array, noised_BxMxL: Array) -> tuple[Array, Array]:
+  """Mean log-prob of each token over the samples in which it was masked, and 'ever masked'."""
+  n = jnp.sum(noised_BxMxL, axis=1)
+  total = jnp.sum(jnp.where(noised_BxMxL, logp_BxMxT, 0.0), axis=1)
+  return total / jnp.maximum(n, 1), n > 0
+
+
+def policy_loss(model, batch: RLBatch, key: Array, obj: Objective) -> tuple[Array, dict[str, Array]]:
+  """The configured objective's loss on one (micro-)batch of whole groups."""
+  seqs = batch.seqs
+  if obj.coupling == "coupled":
+    noised, weight = batch.noised_old_BxMxT, batch.weight_old_BxMxT
+  else:
+    masks = draw_masks(key, seqs, obj)
+    noised, weight = masks.noised_BxMxL, masks.weight_BxMxL
+  logp_new = logp(model, seqs, noised, obj)
+  adv = batch.advantages_B
+  lengths = jnp.sum(seqs.counted_BxT, axis=-1)
+  name = obj.name
+
+  if name in ("stabledrl", "stabledrl_spg"):
+    log_ratio, elbo = losses.elbo_ratio(logp_new, weight, batch.logp_old_BxMxT, batch.weight_old_BxMxT)
+    surrogate = elbo
+    if name == "stabledrl_spg":
+      upper = losses.eubo(logp_new, noised, seqs.counted_BxT, beta=obj.spg_beta)
+      surrogate = losses.spg_surrogate(adv, elbo, upper, omega=obj.spg_omega)
+    return losses.snis_clip_loss(log_ratio, adv, surrogate, group_size=obj.group_size,
+                                 epsilon=obj.epsilon, max_ratio=obj.max_ratio)
+  if name == "grpo":
+    lp_new, seen = _per_token(logp_new, noised)
+    lp_old, _ = _per_token(batch.logp_old_BxMxT, batch.noised_old_BxMxT)
+    lp_ref, _ = _per_token(batch.logp_ref_BxMxT, batch.noised_old_BxMxT)
+    mask = seqs.counted_BxT & seen
+    return losses.grpo_clip_loss(lp_new - lp_old, adv, epsilon=obj.ppo_epsilon, mask=mask,
+                                 ref_log_ratio=lp_ref - lp_new, kl_coef=obj.kl_coef)
+  elbo_new = losses.mc_elbo(logp_new, weight)
+  if name == "espo":
+    elbo_old = losses.mc_elbo(batch.logp_old_BxMxT, batch.weight_old_BxMxT)
+    elbo_ref = losses.mc_elbo(batch.logp_ref_BxMxT, batch.weight_old_BxMxT)
+    return losses.espo_loss(elbo_new, elbo_old, adv, lengths, epsilon=obj.ppo_epsilon,
+                            kl_coef=obj.kl_coef, elbo_ref=elbo_ref)
+  if name == "spg":
+    upper = losses.eubo(logp_new, noised, seqs.counted_BxT, beta=obj.spg_beta)
+    return losses.spg_loss(adv, losses.spg_surrogate(adv, elbo_new, upper, omega=obj.spg_omega), lengths)
+  if name == "wd1":
+    return losses.wd1_loss(adv, elbo_new, group_size=obj.group_size)
+  raise ValueError(f"unknown objective {name!r}")
+
+
+def sft_loss(model, seqs: likelihood.Sequences, key: Array, *, scheme: str, staircase: bool,
+             block_size: int) -> tuple[Array, dict[str, Array]]:
+  """Masked-diffusion SFT: minus the Monte Carlo ELBO of the reference completions (one mask).
+
+  `random_t` is LLaDA's pretraining/SFT objective; `block_t` with the staircase is SDAR's
+  block-diffusion objective (each block's noisy copy conditioned on the clean prefix).
+  """
+  masks = likelihood.sample(key, seqs, scheme=scheme, num_samples=1, p_mask_prompt=0.0,
+                            block_size=block_size)
+  lp = likelihood.masked_logp(model, seqs, masks.noised_BxMxL, staircase=staircase,
+                              block_size=block_size)
+  elbo = losses.mc_elbo(lp, masks.weight_BxMxL)
+  return -jnp.mean(elbo), {}

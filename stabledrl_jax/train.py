@@ -1,0 +1,340 @@
+"""The training run: masked-diffusion SFT, then RL (StableDRL or a baseline), with held-out
+evaluation, metrics and preemption-safe checkpoints. `main.py` is the command-line face of `run`.
+
+One global step counter covers both stages (SFT steps first), so a checkpoint's step says where
+a resumed run continues. Every random draw of step `s` comes from `fold_in(key(seed), s)`, and
+the data iterators are checkpointed, so a resumed run repeats an uninterrupted one exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+
+from stabledrl_jax import (checkpointing, config_lib, diagnostics, likelihood, losses, metrics, models,
+                           rl, samplers)
+from stabledrl_jax.tasks import datasets, get_task, pipeline
+from stabledrl_jax.tasks.tokenizer import CharTokenizer, HFTokenizer
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+
+def build_tokenizer(c: ml_collections.ConfigDict):
+  if c.model.tokenizer == "char":
+    return CharTokenizer()
+  return HFTokenizer(c.model.tokenizer if os.path.isdir(c.model.tokenizer) else c.model.checkpoint)
+
+
+def build_model(c: ml_collections.ConfigDict, tokenizer) -> nnx.Module:
+  """A random tiny model sized by the config, or a pretrained checkpoint."""
+  if c.model.checkpoint:
+    model, _ = models.load_pretrained(c.model.checkpoint, dtype=c.model.compute_dtype)
+    return model
+  sdar = c.family == "sdar"
+  cfg = models.preset(
+      c.model.preset, family=c.family, model_type=c.family, vocab_size=tokenizer.vocab_size,
+      d_model=c.model.d_model, n_layers=c.model.n_layers, n_heads=c.model.n_heads,
+      n_kv_heads=c.model.n_kv_heads, head_dim=c.model.d_model // c.model.n_heads,
+      mlp_dim=c.model.mlp_dim, qk_norm=sdar, mask_token_id=tokenizer.mask_id,
+      eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
+      stop_token_ids=(tokenizer.eos_id,), block_size=c.model.block_size if sdar else None,
+      compute_dtype=c.model.compute_dtype, remat=c.model.remat)
+  return models.create(cfg, seed=c.seed)
+
+
+def make_optimizer(lr: float, warmup: int, total: int, o: ml_collections.ConfigDict):
+  """AdamW after global-norm clipping, warmup then linear decay; non-finite updates skipped."""
+  decay = optax.linear_schedule(lr, 0.0, o.decay_steps or max(total - warmup, 1))
+  schedule = decay if not warmup else optax.join_schedules(
+      [optax.linear_schedule(0.0, lr, warmup), decay], [warmup])
+  inner = optax.chain(optax.clip_by_global_norm(o.grad_clip),
+                      optax.adamw(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay))
+  # The parameters and moments stay as they were when a gradient is not finite.
+  return optax.apply_if_finite(inner, max_consecutive_errors=1_000_000)
+
+
+def sampling_settings(c: ml_collections.ConfigDict, temperature: float):
+  s = c.sampler
+  if c.family == "llada":
+    return samplers.LLaDASampling(gen_length=s.gen_length, block_length=s.block_length,
+                                  steps=s.steps, temperature=temperature, remasking=s.remasking)
+  return samplers.SDARSampling(gen_length=s.gen_length, steps=s.steps, strategy=s.strategy,
+                               temperature=temperature, block_size=c.model.block_size)
+
+
+def generate(model, prompt_ids, prompt_mask, key, sampling) -> samplers.Rollout:
+  fn = samplers.llada_generate if isinstance(sampling, samplers.LLaDASampling) else samplers.sdar_generate
+  return fn(model, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), key, sampling)
+
+
+def objective_settings(c: ml_collections.ConfigDict) -> rl.Objective:
+  return rl.Objective(
+      name=c.rl.objective, group_size=c.rl.group_size, scheme=c.rl.scheme,
+      num_samples=c.rl.num_samples, p_mask_prompt=c.rl.p_mask_prompt,
+      block_size=c.model.block_size if c.family == "sdar" else c.sampler.block_length,
+      staircase=c.family == "sdar", coupling=c.rl.coupling, epsilon=c.rl.epsilon,
+      max_ratio=c.rl.max_ratio or None, ppo_epsilon=c.rl.ppo_epsilon, kl_coef=c.rl.kl_coef,
+      spg_omega=c.rl.spg_omega, spg_beta=c.rl.spg_beta)
+
+
+def _all_finite(tree) -> jax.Array:
+  return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+# ----------------------------------------------------------------------------- jitted steps
+
+
+@nnx.jit(static_argnames=("scheme", "staircase", "block_size"))
+def sft_step(model, optimizer, seqs, key, *, scheme, staircase, block_size):
+  def loss_fn(m):
+    return rl.sft_loss(m, seqs, key, scheme=scheme, staircase=staircase, block_size=block_size)
+  (loss, _), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+  optimizer.update(model, grads)
+  return {"loss": loss, "grad_norm": optax.tree.norm(grads), "skipped": ~_all_finite(grads)}
+
+
+@nnx.jit(static_argnames=("obj",))
+def behaviour_pass(model, ref_model, seqs, key, obj: rl.Objective):
+  masks, logp_old = rl.behaviour_logp(model, seqs, key, obj)
+  logp_ref = (rl.logp(ref_model, seqs, masks.noised_BxMxL, obj) if ref_model is not None
+              else jnp.zeros_like(logp_old))
+  return masks, logp_old, jax.lax.stop_gradient(logp_ref)
+
+
+@nnx.jit(static_argnames=("obj", "accumulation"))
+def rl_step(model, optimizer, batch: rl.RLBatch, key, *, obj: rl.Objective, accumulation: int):
+  """One optimiser step over `accumulation` micro-batches of whole groups."""
+  def loss_fn(m, micro, k):
+    return rl.policy_loss(m, micro, k, obj)
+  grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
+  micro_batches = jax.tree.map(lambda x: x.reshape(accumulation, -1, *x.shape[1:]), batch)
+  grads, total_loss, all_metrics = None, 0.0, []
+  for a in range(accumulation):
+    micro = jax.tree.map(lambda x: x[a], micro_batches)
+    (loss, m), g = grad_fn(model, micro, jax.random.fold_in(key, a))
+    grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+    total_loss += loss
+    all_metrics.append(m)
+  grads = jax.tree.map(lambda g: g / accumulation, grads)
+  optimizer.update(model, grads)
+  out = {k: jnp.mean(jnp.stack([m[k] for m in all_metrics])) for k in all_metrics[0]}
+  out.update(loss=total_loss / accumulation, grad_norm=optax.tree.norm(grads),
+             skipped=~_all_finite(grads))
+  return out
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@dataclasses.dataclass
+class Data:
+  task: Any
+  tokenizer: Any
+  sft: Any        # grain iterators (checkpointed)
+  rl: Any
+  test: list      # held-out examples
+  reward_fn: Any
+
+
+def build_data(c: ml_collections.ConfigDict, tokenizer, workdir: str) -> Data:
+  task = get_task(c.task.name)
+  reward_fn = task.reward_fn(dict(c.task.reward_weights))
+  kwargs: dict[str, Any] = dict(data_dir=c.task.data_dir or os.path.join(workdir, "data"),
+                                source=c.task.source)
+  if c.task.source == "local":
+    kwargs["source_dir"] = c.task.source_dir
+  elif c.task.source == "generated":
+    kwargs.update(num_train=c.task.num_train, num_test=c.task.num_test, seed=c.seed)
+    if c.task.name == "sudoku":
+      kwargs["blanks"] = c.task.blanks
+  train = datasets.load_source(c.task.name, "train", **kwargs)
+  test = datasets.load_source(c.task.name, "test", **kwargs)
+  common = dict(max_prompt_len=c.task.max_prompt_len, style=c.task.prompt_style, chat=c.task.chat,
+                num_threads=1)
+  sft = iter(pipeline.prompt_batches(task, train, tokenizer, batch_size=c.sft.batch_size,
+                                     seed=c.seed, **common))
+  rl_it = iter(pipeline.prompt_batches(task, train, tokenizer, batch_size=c.rl.prompts_per_step,
+                                       seed=c.seed + 1, **common))
+  return Data(task, tokenizer, sft, rl_it, [test[i] for i in range(min(len(test), c.eval.num_examples))],
+              reward_fn)
+
+
+def encode_completions(data: Data, examples, gen_length: int) -> np.ndarray:
+  """Reference completions, ending in a stop token, padded with it to `gen_length`."""
+  tok = data.tokenizer
+  out = np.full((len(examples), gen_length), tok.eos_id, np.int32)
+  for i, ex in enumerate(examples):
+    ids = tok.encode(data.task.reference_completion(ex))
+    if len(ids) >= gen_length:
+      raise ValueError(f"reference completion of {len(ids)} tokens does not fit "
+                       f"sampler.gen_length={gen_length} (one slot is needed for the stop token)")
+    out[i, :len(ids)] = ids
+  return out
+
+
+def score(data: Data, rollout: samplers.Rollout, examples, reward_fn) -> np.ndarray:
+  texts = pipeline.decode_completions(data.tokenizer, np.asarray(rollout.completion_BxG))
+  return np.array([reward_fn(t, ex) for t, ex in zip(texts, examples)], np.float32)
+
+
+def evaluate(c, data: Data, model) -> dict[str, float]:
+  """Greedy decoding on the held-out examples: mean task score (`accuracy`) and solve rate."""
+  sampling = sampling_settings(c, temperature=0.0)
+  scores, solved = [], []
+  for lo in range(0, len(data.test), c.eval.batch_size):
+    exs = data.test[lo:lo + c.eval.batch_size]
+    enc = pipeline.encode_prompts(data.task, exs, data.tokenizer, max_prompt_len=c.task.max_prompt_len,
+                                  style=c.task.prompt_style, chat=c.task.chat)
+    r = generate(model, enc["prompt_ids_BxL"], enc["prompt_mask_BxL"], jax.random.key(0), sampling)
+    texts = pipeline.decode_completions(data.tokenizer, np.asarray(r.completion_BxG))
+    scores += [data.task.correctness(t, ex) for t, ex in zip(texts, exs)]
+    solved += [data.task.is_correct(t, ex) for t, ex in zip(texts, exs)]
+  return {"accuracy": float(np.mean(scores)), "solve_rate": float(np.mean(solved)),
+          "num_examples": len(scores)}
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Train as configured in `workdir`, resuming from its latest checkpoint if there is one."""
+  config_lib.validate(c)
+  os.makedirs(workdir, exist_ok=True)
+  tokenizer = build_tokenizer(c)
+  data = build_data(c, tokenizer, workdir)
+  model = build_model(c, tokenizer)
+  sft_total, total = c.sft.steps, c.sft.steps + c.rl.steps
+  obj = objective_settings(c)
+  group = c.rl.group_size
+  staircase = c.family == "sdar"
+  sft_block = c.model.block_size if staircase else c.sampler.block_length
+
+  def new_optimizer(stage: str) -> nnx.Optimizer:
+    if stage == "sft":
+      return nnx.Optimizer(model, make_optimizer(c.sft.lr, c.sft.warmup_steps, sft_total, c.optim), wrt=nnx.Param)
+    steps = c.rl.steps * c.rl.updates_per_batch
+    return nnx.Optimizer(model, make_optimizer(c.rl.lr, c.rl.warmup_steps, steps, c.optim), wrt=nnx.Param)
+
+  ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), keep=c.checkpoint.keep)
+  start = ckpt.latest_step()
+  skipped_total = 0
+  if start is None:
+    step = 0
+    optimizer = new_optimizer("sft" if sft_total else "rl")
+  else:
+    meta = ckpt.read_meta(start)
+    optimizer = new_optimizer(meta["stage"])
+    ckpt.restore(start, model, optimizer)
+    data.sft.set_state(meta["sft_iterator"])
+    data.rl.set_state(meta["rl_iterator"])
+    skipped_total = meta["skipped_updates"]
+    step = start + 1
+    print(f"resumed from {ckpt.directory} at step {start + 1}/{total}", flush=True)
+  writer = metrics.MetricsWriter(workdir, total_steps=total, resume_step=start)
+  base_key = jax.random.key(c.seed)
+  ref_model = None
+
+  def save(at: int, stage: str):
+    ckpt.save(at, model, optimizer, {
+        "stage": stage, "sft_iterator": data.sft.get_state(), "rl_iterator": data.rl.get_state(),
+        "skipped_updates": skipped_total, "seed": c.seed,
+        "rng_key": np.asarray(jax.random.key_data(base_key)).tolist()})
+
+  def log_eval(at: int, tag: str):
+    result = evaluate(c, data, model)
+    writer.write(at, {"tag": tag, **result}, eval_record=True)
+    print(f"held-out {tag}: accuracy {result['accuracy']:.3f}, solve rate {result['solve_rate']:.3f} "
+          f"({result['num_examples']} examples)", flush=True)
+    return result
+
+  try:
+    while step < total:
+      key = jax.random.fold_in(base_key, step)
+      t0 = time.time()
+      if step < sft_total:
+        stage = "sft"
+        batch = next(data.sft)
+        completions = encode_completions(data, batch["examples"], c.sampler.gen_length)
+        seqs = likelihood.teacher_forced(
+            jnp.asarray(batch["prompt_ids_BxL"]), jnp.asarray(batch["prompt_mask_BxL"]),
+            jnp.asarray(completions), family=c.family, block_size=c.model.block_size,
+            mask_id=model.config.mask_token_id)
+        out = sft_step(model, optimizer, seqs, key, scheme=c.sft.scheme, staircase=staircase,
+                       block_size=sft_block)
+        record = {k: float(v) for k, v in out.items()}
+        tokens = int(completions.size)
+        if step == sft_total - 1:  # the stage ends: RL starts with a fresh optimiser
+          optimizer = new_optimizer("rl")
+          next_stage = "rl"
+        else:
+          next_stage = "sft"
+      else:
+        stage = next_stage = "rl"
+        if step == sft_total or (ref_model is None and c.rl.kl_coef):
+          if step == sft_total:
+            log_eval(step, "before RL")
+          if c.rl.kl_coef:
+            ref_model = nnx.clone(model)  # frozen: the RL start (kept only with a KL term)
+        record = rl_iteration(c, data, model, ref_model, optimizer, key, obj, group)
+        tokens = record.pop("_tokens")
+      skipped_total += int(record.pop("skipped", 0))
+      record.update(stage=stage, skipped_updates=skipped_total,
+                    tokens_per_s=tokens / max(time.time() - t0, 1e-9))
+      writer.write(step, record)
+      if step % c.log_every == 0 or step == total - 1:
+        writer.progress(step, stage, record)
+      rl_index = step - sft_total + 1
+      if stage == "rl" and rl_index % c.eval.every == 0 and step != total - 1:
+        log_eval(step, f"after {rl_index} RL steps")
+      if (step + 1) % c.checkpoint.every == 0 or step == total - 1:
+        save(step, next_stage)
+      step += 1
+    final_tag = "after RL" if c.rl.steps else "after SFT"
+    done = [e for e in metrics.read_jsonl(writer.eval_path) if e["tag"] == final_tag]
+    final = done[-1] if done else log_eval(total - 1, final_tag)  # a finished run is not redone
+  finally:
+    ckpt.wait()
+    ckpt.close()
+    writer.close()
+  evals = metrics.read_jsonl(os.path.join(workdir, "eval.jsonl"))
+  before = next((e for e in evals if e["tag"] == "before RL"), None)
+  if before is not None and c.rl.steps:
+    print(f"held-out accuracy before RL {before['accuracy']:.3f} -> after RL {final['accuracy']:.3f}",
+          flush=True)
+  png = metrics.plot_curves(workdir)
+  if png:
+    print(f"curves: {png}", flush=True)
+  return {"before": before, "after": final, "skipped_updates": skipped_total}
+
+
+def rl_iteration(c, data: Data, model, ref_model, optimizer, key, obj: rl.Objective, group: int):
+  """Rollouts -> rewards -> advantages -> behaviour log-probs -> μ optimiser steps."""
+  k_roll, k_mask, k_update = jax.random.split(key, 3)
+  batch = next(data.rl)
+  ids = np.repeat(batch["prompt_ids_BxL"], group, axis=0)
+  mask = np.repeat(batch["prompt_mask_BxL"], group, axis=0)
+  examples = [ex for ex in batch["examples"] for _ in range(group)]
+  rollout = generate(model, ids, mask, k_roll, sampling_settings(c, c.sampler.temperature))
+  rewards = score(data, rollout, examples, data.reward_fn)
+  adv = losses.group_advantages(jnp.asarray(rewards), group_size=group, mode=c.rl.advantage)
+  seqs = likelihood.from_rollout(rollout)
+  masks, logp_old, logp_ref = behaviour_pass(model, ref_model, seqs, k_mask, obj)
+  rl_batch = rl.RLBatch(seqs, adv, masks.noised_BxMxL, masks.weight_BxMxL, logp_old, logp_ref)
+  outs = [rl_step(model, optimizer, rl_batch, jax.random.fold_in(k_update, u), obj=obj,
+                  accumulation=c.rl.accumulation) for u in range(c.rl.updates_per_batch)]
+  record = {k: float(np.mean([float(o[k]) for o in outs])) for k in outs[0] if k != "skipped"}
+  record["skipped"] = int(sum(int(o["skipped"]) for o in outs))
+  record.update(diagnostics.to_floats(diagnostics.step_diagnostics(
+      rewards_B=jnp.asarray(rewards), group_size=group, mask_BxL=rollout.completion_mask_BxG,
+      tokens_BxL=rollout.completion_BxG)))
+  record["_tokens"] = int(np.sum(np.asarray(rollout.lengths_B)))
+  return record

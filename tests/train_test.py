@@ -1,0 +1,170 @@
+"""The trainer through its real entry point: smoke runs, kill -9 and resume, NaN skipping, bad input."""
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from stabledrl_jax import config_lib, likelihood, models, rl, train
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TIMING = {"tokens_per_s"}
+REQUIRED = {"step", "loss", "grad_norm", "tokens_per_s", "skipped_updates"}
+RL_REQUIRED = REQUIRED | {"reward_mean", "clip_fraction", "ess", "log10_ratio_max"}
+
+
+def main_cmd(config, workdir, *overrides):
+  return [sys.executable, "-m", "stabledrl_jax.main", f"--config={config}", f"--workdir={workdir}",
+          *overrides]
+
+
+def run_main(config, workdir, *overrides, timeout=600):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  return subprocess.run(main_cmd(config, workdir, *overrides), cwd=REPO, capture_output=True,
+                        text=True, timeout=timeout, env=env)
+
+
+def read_jsonl(path):
+  return [json.loads(line) for line in open(path) if line.strip()]
+
+
+def strip_timing(rows):
+  return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["configs/sdar.py:smoke", "configs/llada.py:smoke"])
+def test_smoke_preset_trains_end_to_end(config, tmp_path):
+  out = run_main(config, tmp_path)
+  assert out.returncode == 0, out.stderr[-3000:]
+  rows = read_jsonl(tmp_path / "metrics.jsonl")
+  assert [r["step"] for r in rows] == list(range(12))
+  assert all(REQUIRED <= set(r) for r in rows)
+  assert [r["stage"] for r in rows] == ["sft"] * 6 + ["rl"] * 6
+  assert all(RL_REQUIRED <= set(r) for r in rows[6:])
+  assert rows[5]["loss"] < rows[0]["loss"] * 1.5 and np.isfinite([r["loss"] for r in rows]).all()
+  tags = [e["tag"] for e in read_jsonl(tmp_path / "eval.jsonl")]
+  assert tags[0] == "before RL" and tags[-1] == "after RL"
+  assert "held-out accuracy before RL" in out.stdout
+  assert (tmp_path / "curves.png").stat().st_size > 1000
+  assert any((tmp_path / "tb").iterdir())
+  assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [7, 11]
+
+
+@pytest.mark.slow
+def test_kill_9_then_rerun_resumes_and_matches_an_uninterrupted_run(tmp_path):
+  config = "configs/sdar.py:smoke"
+  straight = tmp_path / "straight"
+  out = run_main(config, straight)
+  assert out.returncode == 0, out.stderr[-3000:]
+
+  killed = tmp_path / "killed"
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  proc = subprocess.Popen(main_cmd(config, killed), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  first_ckpt = killed / "checkpoints" / "3"
+  deadline = time.time() + 300
+  while not first_ckpt.exists() and time.time() < deadline and proc.poll() is None:
+    time.sleep(0.05)
+  assert first_ckpt.exists(), "the run never wrote its first checkpoint"
+  os.kill(proc.pid, signal.SIGKILL)
+  proc.wait()
+  steps_before = [r["step"] for r in read_jsonl(killed / "metrics.jsonl")]
+  assert steps_before[-1] < 11, "killed too late to test resumption"
+
+  out = run_main(config, killed)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "resumed from" in out.stdout
+  assert strip_timing(read_jsonl(killed / "metrics.jsonl")) == strip_timing(read_jsonl(straight / "metrics.jsonl"))
+  assert read_jsonl(killed / "eval.jsonl")[-1] == read_jsonl(straight / "eval.jsonl")[-1]
+
+
+def _tiny_rl_setup():
+  cfg = config_lib.base_config("sdar")
+  config_lib.apply_preset(cfg, "smoke")
+  model = models.create(models.tiny(vocab_size=40, mask_token_id=3, eos_token_id=2, pad_token_id=0,
+                                    stop_token_ids=(2,)), seed=0)
+  opt = nnx.Optimizer(model, train.make_optimizer(1e-2, 0, 10, cfg.optim), wrt=nnx.Param)
+  obj = rl.Objective(group_size=2, scheme="block_t", num_samples=2, block_size=4, staircase=True)
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(4, 40, size=(4, 12)), jnp.int32)
+  completion = jnp.broadcast_to(jnp.arange(12) >= 4, (4, 12))
+  seqs = likelihood.Sequences(tokens, jnp.broadcast_to(jnp.arange(12), (4, 12)), jnp.ones((4, 12), bool),
+                              ~completion, completion, completion)
+  masks, logp_old, logp_ref = train.behaviour_pass(model, None, seqs, jax.random.key(1), obj)
+  return model, opt, obj, seqs, masks, logp_old, logp_ref
+
+
+def test_nan_gradient_skips_the_update_and_is_counted():
+  model, opt, obj, seqs, masks, logp_old, logp_ref = _tiny_rl_setup()
+  before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  adv = jnp.array([1.0, -1.0, jnp.nan, 0.5])  # a NaN advantage poisons the gradient
+  batch = rl.RLBatch(seqs, adv, masks.noised_BxMxL, masks.weight_BxMxL, logp_old, logp_ref)
+  out = train.rl_step(model, opt, batch, jax.random.key(2), obj=obj, accumulation=1)
+  assert bool(out["skipped"]) and not np.isfinite(float(out["grad_norm"]))
+  after = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  jax.tree.map(np.testing.assert_array_equal, before, after)
+  # ... and a finite step right after does update the parameters.
+  batch = batch._replace(advantages_B=jnp.array([1.0, -1.0, 0.5, -0.5]))
+  out = train.rl_step(model, opt, batch, jax.random.key(3), obj=obj, accumulation=2)
+  assert not bool(out["skipped"])
+  changed = jax.tree.map(lambda a, b: bool(np.any(a != np.asarray(b))), before,
+                         nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  assert any(jax.tree.leaves(changed))
+
+
+def test_coupled_masks_give_unit_ratios_on_the_first_update():
+  model, opt, obj, seqs, masks, logp_old, logp_ref = _tiny_rl_setup()
+  batch = rl.RLBatch(seqs, jnp.array([1.0, -1.0, 0.5, -0.5]), masks.noised_BxMxL, masks.weight_BxMxL,
+                     logp_old, logp_ref)
+  out = train.rl_step(model, opt, batch, jax.random.key(2), obj=obj, accumulation=1)
+  assert float(out["log10_ratio_max"]) == 0.0 and float(out["ess"]) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("override,named", [
+    ("--config.rl.bogus=1", "bogus"),
+    ("--config.rl.steps=abc", "rl.steps"),
+    ("--config.model.checkpoint=/nonexistent/ckpt", "model.checkpoint"),
+    ("--config.rl.objective=ppo", "rl.objective"),
+])
+def test_bad_config_fails_fast_naming_the_key(override, named, tmp_path):
+  out = run_main("configs/sdar.py:smoke", tmp_path / "run", override, timeout=120)
+  assert out.returncode != 0
+  assert named in out.stderr
+  assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing ran
+
+
+def test_malformed_data_file_names_file_and_line(tmp_path):
+  data = tmp_path / "gsm8k"
+  data.mkdir()
+  (data / "train.jsonl").write_text('{"question": "1+1?", "answer": "#### 2"}\n{not json\n')
+  (data / "test.jsonl").write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+  out = run_main("configs/sdar.py:smoke", tmp_path / "run", "--config.task.name=gsm8k",
+                 "--config.task.source=local", f"--config.task.source_dir={data}", timeout=120)
+  assert out.returncode != 0
+  assert "train.jsonl" in out.stderr and "line 2" in out.stderr
+
+
+def test_validate_names_bad_values():
+  c = config_lib.base_config("sdar")
+  c.rl.accumulation = 3
+  with pytest.raises(ValueError, match="rl.accumulation"):
+    config_lib.validate(c)
+  c = config_lib.base_config("sdar")
+  c.rl.p_mask_prompt = 0.15
+  with pytest.raises(ValueError, match="rl.p_mask_prompt"):
+    config_lib.validate(c)
+  c = config_lib.base_config("llada")
+  c.sampler.steps = 7
+  with pytest.raises(ValueError, match="sampler.steps"):
+    config_lib.validate(c)
+  with pytest.raises(ValueError, match="bogus"):
+    config_lib.apply_preset(config_lib.base_config("llada"), "bogus")
