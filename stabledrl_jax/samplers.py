@@ -341,6 +341,7 @@ def _sdar_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: SDARSampl
   cache = None
   if sampling.use_cache:
     cache = model.init_cache(b, t)
+  if sampling.use_cache and first_block:  # no complete prompt block: nothing to prefill
     _, cache = model.cached_logits(tokens[:, :first_block * bs], cache,
                                    positions_BxT=positions[:, :first_block * bs], commit=True,
                                    block_size=bs, valid_BxT=valid[:, :first_block * bs])
