@@ -13,9 +13,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from stabledrl_jax import estimators
-from stabledrl_jax import samplers
-from stabledrl_jax.samplers import Rollout
+from stabledrl_jax import estimators, samplers
 
 Array = jax.Array
 
@@ -30,7 +28,7 @@ class Sequences(NamedTuple):
   counted_BxT: Array     # completion positions that count (up to the first stop token)
 
 
-def from_rollout(rollout: Rollout) -> Sequences:
+def from_rollout(rollout: samplers.Rollout) -> Sequences:
   completion = rollout.valid_BxT & ~rollout.prompt_mask_BxT
   return Sequences(rollout.tokens_BxT, rollout.positions_BxT, rollout.valid_BxT,
                    rollout.prompt_mask_BxT, completion, rollout.completion_mask_BxT)
