@@ -65,3 +65,18 @@ class Checkpointer:
 
   def close(self) -> None:
     self._manager.close()
+
+
+def save_params(path: str, model: nnx.Module) -> None:
+  """A one-off, atomic save of a model's parameters (e.g. the frozen KL reference)."""
+  with ocp.StandardCheckpointer() as saver:
+    saver.save(os.path.abspath(path), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+def restore_params(path: str, model: nnx.Module) -> None:
+  """Load parameters written by `save_params` into `model` in place, in its shardings."""
+  state = nnx.state(model, nnx.Param)
+  with ocp.StandardCheckpointer() as loader:
+    loaded = loader.restore(os.path.abspath(path), _abstract(nnx.to_pure_dict(state)))
+  nnx.replace_by_pure_dict(state, loaded)
+  nnx.update(model, state)

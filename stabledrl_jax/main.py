@@ -3,8 +3,9 @@
 Rerunning the same command with the same workdir resumes from its latest checkpoint.
 """
 import os
+import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from stabledrl_jax import train
@@ -14,6 +15,20 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/sdar.py", "Training
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default: ./runs/<config>).")
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl flag parsing, with a one-line error for a bad flag or an unknown config key."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    sys.exit(f"error: {e}")
+  except (AttributeError, KeyError) as e:  # ml_collections: an override of a key that is not there
+    missing = str(e).strip("'\"")
+    named = [a.split("=")[0] for a in argv[1:]
+             if a.startswith("--config.") and missing in a.split("=")[0].split(".")]
+    sys.exit(f"error: unknown config key {named[0][2:] if named else missing}: the config has no "
+             f"key {missing!r} there")
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -21,8 +36,13 @@ def main(argv):
   name = os.path.splitext(os.path.basename(config_arg.split(":")[0]))[0]
   preset = config_arg.split(":")[1] if ":" in config_arg else "tiny"
   workdir = _WORKDIR.value or os.path.join("runs", f"{name}_{preset}")
-  train.run(_CONFIG.value, workdir)
+  if not flags.FLAGS["verbosity"].present:  # library INFO chatter (Orbax, TFDS) off the console
+    logging.set_verbosity(logging.WARNING)
+  try:
+    train.run(_CONFIG.value, workdir)
+  except train.SetupError as e:
+    sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import time
 from typing import Any
 
@@ -205,13 +206,24 @@ def evaluate(c, data: Data, model) -> dict[str, float]:
 # ----------------------------------------------------------------------------- the run
 
 
+class SetupError(Exception):
+  """Bad input found before any training: a config value, a checkpoint path, a data file."""
+
+
 def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Train as configured in `workdir`, resuming from its latest checkpoint if there is one."""
-  config_lib.validate(c)
-  os.makedirs(workdir, exist_ok=True)
-  tokenizer = build_tokenizer(c)
-  data = build_data(c, tokenizer, workdir)
-  model = build_model(c, tokenizer)
+  """Train as configured in `workdir`, resuming from its latest checkpoint if there is one.
+
+  Raises `SetupError` (one line naming the bad key, path or file and line) when the config, the
+  checkpoint or the data is unusable; nothing has been trained or written over by then.
+  """
+  try:
+    config_lib.validate(c)
+    os.makedirs(workdir, exist_ok=True)
+    tokenizer = build_tokenizer(c)
+    data = build_data(c, tokenizer, workdir)
+    model = build_model(c, tokenizer)
+  except (ValueError, KeyError, OSError) as e:
+    raise SetupError(str(e).strip("'\"") or repr(e)) from e
   sft_total, total = c.sft.steps, c.sft.steps + c.rl.steps
   obj = objective_settings(c)
   group = c.rl.group_size
@@ -282,8 +294,9 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         if step == sft_total or (ref_model is None and c.rl.kl_coef):
           if step == sft_total:
             log_eval(step, "before RL")
-          if c.rl.kl_coef:
-            ref_model = nnx.clone(model)  # frozen: the RL start (kept only with a KL term)
+          if c.rl.kl_coef:  # frozen RL-start weights, kept only with a KL term
+            ref_model = reference_model(model, os.path.join(workdir, "reference"),
+                                        fresh=step == sft_total)
         record = rl_iteration(c, data, model, ref_model, optimizer, key, obj, group)
         tokens = record.pop("_tokens")
       skipped_total += int(record.pop("skipped", 0))
@@ -314,6 +327,20 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   if png:
     print(f"curves: {png}", flush=True)
   return {"before": before, "after": final, "skipped_updates": skipped_total}
+
+
+def reference_model(model, path: str, *, fresh: bool) -> nnx.Module:
+  """The KL reference: the weights at the start of RL, saved once there and reloaded on resume."""
+  ref = nnx.clone(model)
+  if fresh or not os.path.exists(path):
+    if not fresh:
+      print(f"warning: no KL reference at {path}; using the resumed weights", flush=True)
+    if os.path.exists(path):  # a rerun of RL from its first step: the reference is this model
+      shutil.rmtree(path)
+    checkpointing.save_params(path, ref)
+  else:
+    checkpointing.restore_params(path, ref)
+  return ref
 
 
 def rl_iteration(c, data: Data, model, ref_model, optimizer, key, obj: rl.Objective, group: int):

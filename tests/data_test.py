@@ -61,14 +61,14 @@ def test_malformed_lines_name_file_and_line(tmp_path, data_dir):
   good = json.dumps({"question": "q", "answer": "x #### 3"})
   (bad / "train.jsonl").write_text(good + "\n")
   (bad / "test.jsonl").write_text(good + "\n" + good + "\n{not json\n")
-  with pytest.raises(ValueError, match=r"test\.jsonl:3"):
+  with pytest.raises(ValueError, match=r"test\.jsonl, line 3"):
     list(datasets.read_jsonl(bad / "test.jsonl", lambda r: r))
   (bad / "test.jsonl").write_text(good + "\n" + json.dumps({"question": "q"}) + "\n")
-  with pytest.raises(ValueError, match=r"test\.jsonl:2"):
+  with pytest.raises(ValueError, match=r"test\.jsonl, line 2"):
     datasets.load_source("gsm8k", "test", data_dir=tmp_path / "out", source="local", source_dir=bad)
   csv_file = tmp_path / "sudoku.csv"
   csv_file.write_text("Puzzle,Solution\n3102200002100320,3142243142131324\n31,3142\n")
-  with pytest.raises(ValueError, match=r"sudoku\.csv:3"):
+  with pytest.raises(ValueError, match=r"sudoku\.csv, line 3"):
     list(datasets.read_sudoku_csv(csv_file))
 
 

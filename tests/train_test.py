@@ -87,6 +87,23 @@ def test_kill_9_then_rerun_resumes_and_matches_an_uninterrupted_run(tmp_path):
   assert read_jsonl(killed / "eval.jsonl")[-1] == read_jsonl(straight / "eval.jsonl")[-1]
 
 
+@pytest.mark.slow
+def test_resume_keeps_the_rl_start_weights_as_the_kl_reference(tmp_path):
+  # Run to the end, drop the last checkpoint, rerun: it resumes mid-RL at step 8. With a KL term
+  # the resumed steps match only if the reference is still the RL-start model, not the resumed one.
+  kl = ("--config.rl.objective=grpo", "--config.rl.kl_coef=0.5")
+  out = run_main("configs/sdar.py:smoke", tmp_path, *kl)
+  assert out.returncode == 0, out.stderr[-3000:]
+  straight = strip_timing(read_jsonl(tmp_path / "metrics.jsonl"))
+  assert any(abs(r.get("kl", 0.0)) > 0 for r in straight[8:]), "the KL term never moved"
+  import shutil
+  shutil.rmtree(tmp_path / "checkpoints" / "11")
+  out = run_main("configs/sdar.py:smoke", tmp_path, *kl)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "resumed from" in out.stdout and "step 8/12" in out.stdout
+  assert strip_timing(read_jsonl(tmp_path / "metrics.jsonl")) == straight
+
+
 def _tiny_rl_setup():
   cfg = config_lib.base_config("sdar")
   config_lib.apply_preset(cfg, "smoke")
@@ -134,11 +151,13 @@ def test_coupled_masks_give_unit_ratios_on_the_first_update():
     ("--config.rl.steps=abc", "rl.steps"),
     ("--config.model.checkpoint=/nonexistent/ckpt", "model.checkpoint"),
     ("--config.rl.objective=ppo", "rl.objective"),
+    ("--config.sampler.temperature=-1", "sampler.temperature"),
 ])
-def test_bad_config_fails_fast_naming_the_key(override, named, tmp_path):
+def test_bad_config_fails_fast_in_one_line_naming_the_key(override, named, tmp_path):
   out = run_main("configs/sdar.py:smoke", tmp_path / "run", override, timeout=120)
   assert out.returncode != 0
-  assert named in out.stderr
+  lines = out.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], out.stderr
   assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing ran
 
 
@@ -150,7 +169,9 @@ def test_malformed_data_file_names_file_and_line(tmp_path):
   out = run_main("configs/sdar.py:smoke", tmp_path / "run", "--config.task.name=gsm8k",
                  "--config.task.source=local", f"--config.task.source_dir={data}", timeout=120)
   assert out.returncode != 0
-  assert "train.jsonl" in out.stderr and "line 2" in out.stderr
+  error = out.stderr.strip().splitlines()[-1]  # TFDS announces the preparation on stderr first
+  assert error.startswith("error: ") and "train.jsonl, line 2" in error, out.stderr
+  assert "Traceback" not in out.stderr
 
 
 def test_validate_names_bad_values():

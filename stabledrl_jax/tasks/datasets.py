@@ -34,7 +34,7 @@ def read_jsonl(path: Path, parse: Callable[[dict], dict]) -> Iterator[dict]:
       try:
         yield parse(json.loads(line))
       except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}:{lineno}: malformed record: {e!r}") from None
+        raise ValueError(f"{path}, line {lineno}: malformed record ({e})") from None
 
 
 def read_sudoku_csv(path: Path) -> Iterator[dict]:
@@ -45,7 +45,7 @@ def read_sudoku_csv(path: Path) -> Iterator[dict]:
       try:
         yield sudoku.from_csv_row(row)
       except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}:{reader.line_num}: malformed row: {e!r}") from None
+        raise ValueError(f"{path}, line {reader.line_num}: malformed row ({e})") from None
 
 
 def _countdown_features() -> tfds.features.FeaturesDict:
