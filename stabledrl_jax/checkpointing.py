@@ -68,9 +68,10 @@ class Checkpointer:
 
 
 def save_params(path: str, model: nnx.Module) -> None:
-  """A one-off, atomic save of a model's parameters (e.g. the frozen KL reference)."""
+  """A one-off, atomic save of a model's parameters (e.g. the frozen KL reference), replacing
+  whatever `path` held."""
   with ocp.StandardCheckpointer() as saver:
-    saver.save(os.path.abspath(path), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    saver.save(os.path.abspath(path), nnx.to_pure_dict(nnx.state(model, nnx.Param)), force=True)
 
 
 def restore_params(path: str, model: nnx.Module) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import time
 from typing import Any
 
@@ -335,9 +334,7 @@ def reference_model(model, path: str, *, fresh: bool) -> nnx.Module:
   if fresh or not os.path.exists(path):
     if not fresh:
       print(f"warning: no KL reference at {path}; using the resumed weights", flush=True)
-    if os.path.exists(path):  # a rerun of RL from its first step: the reference is this model
-      shutil.rmtree(path)
-    checkpointing.save_params(path, ref)
+    checkpointing.save_params(path, ref)  # a rerun from RL's first step replaces an old one
   else:
     checkpointing.restore_params(path, ref)
   return ref

@@ -2,6 +2,7 @@
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -96,7 +97,6 @@ def test_resume_keeps_the_rl_start_weights_as_the_kl_reference(tmp_path):
   assert out.returncode == 0, out.stderr[-3000:]
   straight = strip_timing(read_jsonl(tmp_path / "metrics.jsonl"))
   assert any(abs(r.get("kl", 0.0)) > 0 for r in straight[8:]), "the KL term never moved"
-  import shutil
   shutil.rmtree(tmp_path / "checkpoints" / "11")
   out = run_main("configs/sdar.py:smoke", tmp_path, *kl)
   assert out.returncode == 0, out.stderr[-3000:]
