@@ -39,7 +39,9 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.task.source = "generated"   # "generated" (Countdown/Sudoku) or "local" (files in source_dir)
   c.task.source_dir = ""        # e.g. ../shared/data/gsm8k
   c.task.data_dir = ""          # TFDS array_record cache; "" = WORKDIR/data
-  c.task.blanks = 10            # Sudoku: blanks per puzzle
+  c.task.blanks = 11            # Sudoku: blanks per puzzle (RL and evaluation)
+  c.task.sft_blanks = 8         # Sudoku: blanks per SFT puzzle (0 = task.blanks); SFT on easier
+                                # puzzles than RL sees (README: what each setting measured)
   c.task.num_train = 2000
   c.task.num_test = 256
   c.task.max_prompt_len = 24
@@ -48,14 +50,14 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.task.reward_weights = ml_collections.ConfigDict({"correctness": 1.0})
 
   c.sft = ml_collections.ConfigDict()
-  c.sft.steps = 300
+  c.sft.steps = 300 if family == "sdar" else 700  # full attention learns Sudoku more slowly
   c.sft.batch_size = 64
   c.sft.lr = 1e-3
-  c.sft.warmup_steps = 20
+  c.sft.warmup_steps = 20 if family == "sdar" else 40
   c.sft.scheme = "block_t" if family == "sdar" else "random_t"
 
   c.rl = ml_collections.ConfigDict()
-  c.rl.steps = 60
+  c.rl.steps = 40
   c.rl.objective = "stabledrl"
   c.rl.prompts_per_step = 16
   c.rl.group_size = 8           # G
@@ -91,9 +93,23 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.sampler.strategy = "low_confidence_static"
 
   c.eval = ml_collections.ConfigDict()
-  c.eval.every = 20             # RL steps between held-out evaluations
+  c.eval.every = 10             # RL steps between held-out evaluations
   c.eval.num_examples = 256
   c.eval.batch_size = 128
+
+  # Stability detectors (SPEC §8, `controls.MonitorConfig`): events go to metrics.jsonl and the
+  # console, each naming its row of docs/troubleshooting.md.
+  c.stability = ml_collections.ConfigDict()
+  c.stability.repetition = True           # low-entropy collapse: repeated 4-grams in rollouts
+  c.stability.repetition_threshold = 0.5
+  c.stability.kl_alarm = True             # KL(old‖new) per token above threshold, 3 steps running
+  c.stability.kl_threshold = 0.8
+  c.stability.zero_advantage = True       # most groups carry no learning signal
+  c.stability.zero_advantage_threshold = 0.9
+  c.stability.clip_band = False           # clip fraction outside [clip_low, clip_high]
+  c.stability.clip_low = 0.10
+  c.stability.clip_high = 0.15
+  c.stability.stop_on_event = False       # True: checkpoint and stop at the first event
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 50
@@ -150,6 +166,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
     bad("rl.p_mask_prompt", "must lie in [0, 1]")
   if c.family == "sdar" and c.rl.p_mask_prompt:
     bad("rl.p_mask_prompt", "block diffusion never noises the prompt; set 0")
+  if c.task.name == "sudoku":
+    if not 1 <= c.task.blanks <= 12:
+      bad("task.blanks", "a 4x4 Sudoku with a unique solution has 1 to 12 blanks")
+    if not 0 <= c.task.sft_blanks <= 12:
+      bad("task.sft_blanks", "expected 0 (= task.blanks) or 1 to 12")
   if c.sampler.temperature < 0:
     bad("sampler.temperature", "must be >= 0")
   if c.family == "llada":

@@ -81,6 +81,8 @@ class MetricsWriter:
     if "clip_fraction" in record:
       parts.append(f"clip {record['clip_fraction']:.2f}")
     parts += [f"{record['tokens_per_s']:.0f} tok/s", f"ETA {int(eta // 60)}m{int(eta % 60):02d}s"]
+    if record.get("events"):
+      parts.append("EVENT " + ", ".join(record["events"]))
     print(" | ".join(parts), flush=True)
 
   def close(self) -> None:

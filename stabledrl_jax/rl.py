@@ -12,7 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from stabledrl_jax import estimators, likelihood, losses
+from stabledrl_jax import diagnostics, estimators, likelihood, losses
 
 Array = jax.Array
 
@@ -69,14 +69,24 @@ def _per_token(logp_BxMxT: Array, noised_BxMxL: Array) -> tuple[Array, Array]:
 
 
 def policy_loss(model, batch: RLBatch, key: Array, obj: Objective) -> tuple[Array, dict[str, Array]]:
-  """The configured objective's loss on one (micro-)batch of whole groups."""
-  seqs = batch.seqs
+  """The configured objective's loss on one (micro-)batch of whole groups, and its metrics plus
+  `kl_k1`/`kl_k3`: KL(π_old‖π_θ) per token, from the length-normalised ELBO log ratio."""
   if obj.coupling == "coupled":
     noised, weight = batch.noised_old_BxMxT, batch.weight_old_BxMxT
   else:
-    masks = draw_masks(key, seqs, obj)
+    masks = draw_masks(key, batch.seqs, obj)
     noised, weight = masks.noised_BxMxL, masks.weight_BxMxL
-  logp_new = logp(model, seqs, noised, obj)
+  logp_new = logp(model, batch.seqs, noised, obj)
+  loss, metrics = _objective(batch, logp_new, noised, weight, obj)
+  lengths = jnp.sum(batch.seqs.counted_BxT, axis=-1)
+  log_ratio = (losses.mc_elbo(logp_new, weight)
+               - losses.mc_elbo(batch.logp_old_BxMxT, batch.weight_old_BxMxT))
+  kl = diagnostics.kl_estimates(jax.lax.stop_gradient(log_ratio) / jnp.maximum(lengths, 1))
+  return loss, {**metrics, **kl}
+
+
+def _objective(batch: RLBatch, logp_new: Array, noised: Array, weight: Array, obj: Objective):
+  seqs = batch.seqs
   adv = batch.advantages_B
   lengths = jnp.sum(seqs.counted_BxT, axis=-1)
   name = obj.name

@@ -19,8 +19,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from stabledrl_jax import (checkpointing, config_lib, diagnostics, likelihood, losses, metrics, models,
-                           rl, samplers)
+from stabledrl_jax import (checkpointing, config_lib, controls, diagnostics, likelihood, losses, metrics,
+                           models, rl, samplers)
 from stabledrl_jax.tasks import datasets, get_task, pipeline
 from stabledrl_jax.tasks.tokenizer import CharTokenizer, HFTokenizer
 
@@ -154,13 +154,16 @@ def build_data(c: ml_collections.ConfigDict, tokenizer, workdir: str) -> Data:
     kwargs["source_dir"] = c.task.source_dir
   elif c.task.source == "generated":
     kwargs.update(num_train=c.task.num_train, num_test=c.task.num_test, seed=c.seed)
-    if c.task.name == "sudoku":
-      kwargs["blanks"] = c.task.blanks
+  sft_kwargs = dict(kwargs)
+  if c.task.source == "generated" and c.task.name == "sudoku":
+    kwargs["blanks"] = c.task.blanks
+    sft_kwargs["blanks"] = c.task.sft_blanks or c.task.blanks
   train = datasets.load_source(c.task.name, "train", **kwargs)
   test = datasets.load_source(c.task.name, "test", **kwargs)
+  sft_train = train if sft_kwargs == kwargs else datasets.load_source(c.task.name, "train", **sft_kwargs)
   common = dict(max_prompt_len=c.task.max_prompt_len, style=c.task.prompt_style, chat=c.task.chat,
                 num_threads=1)
-  sft = iter(pipeline.prompt_batches(task, train, tokenizer, batch_size=c.sft.batch_size,
+  sft = iter(pipeline.prompt_batches(task, sft_train, tokenizer, batch_size=c.sft.batch_size,
                                      seed=c.seed, **common))
   rl_it = iter(pipeline.prompt_batches(task, train, tokenizer, batch_size=c.rl.prompts_per_step,
                                        seed=c.seed + 1, **common))
@@ -235,6 +238,12 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     steps = c.rl.steps * c.rl.updates_per_batch
     return nnx.Optimizer(model, make_optimizer(c.rl.lr, c.rl.warmup_steps, steps, c.optim), wrt=nnx.Param)
 
+  for warning in controls.config_warnings(
+      lr=c.rl.lr, group_size=group, epsilon=c.rl.epsilon, max_ratio=c.rl.max_ratio or None,
+      block_length=c.model.block_size if staircase else c.sampler.block_length,
+      block_diffusion=staircase):
+    print(f"warning: {warning}", flush=True)
+  monitor = controls.StabilityMonitor(controls.MonitorConfig(**c.stability.to_dict()))
   ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), keep=c.checkpoint.keep)
   start = ckpt.latest_step()
   skipped_total = 0
@@ -248,6 +257,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     data.sft.set_state(meta["sft_iterator"])
     data.rl.set_state(meta["rl_iterator"])
     skipped_total = meta["skipped_updates"]
+    monitor.load_state_dict(meta.get("monitor") or monitor.state_dict())
     step = start + 1
     print(f"resumed from {ckpt.directory} at step {start + 1}/{total}", flush=True)
   writer = metrics.MetricsWriter(workdir, total_steps=total, resume_step=start)
@@ -257,7 +267,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   def save(at: int, stage: str):
     ckpt.save(at, model, optimizer, {
         "stage": stage, "sft_iterator": data.sft.get_state(), "rl_iterator": data.rl.get_state(),
-        "skipped_updates": skipped_total, "seed": c.seed,
+        "skipped_updates": skipped_total, "seed": c.seed, "monitor": monitor.state_dict(),
         "rng_key": np.asarray(jax.random.key_data(base_key)).tolist()})
 
   def log_eval(at: int, tag: str):
@@ -267,6 +277,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
           f"({result['num_examples']} examples)", flush=True)
     return result
 
+  stopped = None
   try:
     while step < total:
       key = jax.random.fold_in(base_key, step)
@@ -298,6 +309,13 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                                         fresh=step == sft_total)
         record = rl_iteration(c, data, model, ref_model, optimizer, key, obj, group)
         tokens = record.pop("_tokens")
+        events = monitor.update(step, record)
+        if events:
+          record["events"] = [e.name for e in events]
+          for e in events:
+            print(f"stability event at step {step + 1}: {e.message}", flush=True)
+          if monitor.should_stop(events):
+            stopped = events[0]
       skipped_total += int(record.pop("skipped", 0))
       record.update(stage=stage, skipped_updates=skipped_total,
                     tokens_per_s=tokens / max(time.time() - t0, 1e-9))
@@ -307,9 +325,14 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       rl_index = step - sft_total + 1
       if stage == "rl" and rl_index % c.eval.every == 0 and step != total - 1:
         log_eval(step, f"after {rl_index} RL steps")
-      if (step + 1) % c.checkpoint.every == 0 or step == total - 1:
+      if (step + 1) % c.checkpoint.every == 0 or step == total - 1 or stopped:
         save(step, next_stage)
       step += 1
+      if stopped:
+        print(f"stopped after step {step}/{total} by {stopped.name} (stability.stop_on_event); "
+              "the checkpoint of this step is kept: change the config and rerun the same command "
+              "to resume", flush=True)
+        return {"stopped": stopped._asdict(), "skipped_updates": skipped_total}
     final_tag = "after RL" if c.rl.steps else "after SFT"
     done = [e for e in metrics.read_jsonl(writer.eval_path) if e["tag"] == final_tag]
     final = done[-1] if done else log_eval(total - 1, final_tag)  # a finished run is not redone

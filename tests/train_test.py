@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from stabledrl_jax import config_lib, likelihood, models, rl, train
+from stabledrl_jax.tasks import sudoku
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TIMING = {"tokens_per_s"}
@@ -144,6 +145,23 @@ def test_coupled_masks_give_unit_ratios_on_the_first_update():
                      logp_old, logp_ref)
   out = train.rl_step(model, opt, batch, jax.random.key(2), obj=obj, accumulation=1)
   assert float(out["log10_ratio_max"]) == 0.0 and float(out["ess"]) == pytest.approx(2.0)
+  assert abs(float(out["kl_k1"])) < 1e-6 and abs(float(out["kl_k3"])) < 1e-6  # π_θ = π_old
+  out = train.rl_step(model, opt, batch, jax.random.key(3), obj=obj, accumulation=1)
+  assert float(out["kl_k3"]) > 0  # the first update moved the policy
+
+
+@pytest.mark.slow
+def test_a_stability_event_stops_the_run_and_keeps_its_checkpoint(tmp_path):
+  # kl_k3 >= 0 always, so a negative threshold makes the KL alarm fire on its 3rd RL step.
+  out = run_main("configs/sdar.py:smoke", tmp_path, "--config.stability.kl_threshold=-1",
+                 "--config.stability.stop_on_event=True", "--config.stability.repetition=False",
+                 "--config.stability.zero_advantage=False")
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "troubleshooting row 'kl_alarm'" in out.stdout and "stopped after step 9/12" in out.stdout
+  rows = read_jsonl(tmp_path / "metrics.jsonl")
+  assert [r["step"] for r in rows] == list(range(9)) and rows[-1]["events"] == ["kl_alarm"]
+  assert "EVENT kl_alarm" in out.stdout
+  assert 8 in [int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
 
 
 @pytest.mark.parametrize("override,named", [
@@ -189,3 +207,19 @@ def test_validate_names_bad_values():
     config_lib.validate(c)
   with pytest.raises(ValueError, match="bogus"):
     config_lib.apply_preset(config_lib.base_config("llada"), "bogus")
+
+
+def test_sft_puzzles_can_be_easier_than_rl_and_evaluation_puzzles(tmp_path):
+  c = config_lib.base_config("sdar")
+  c.task.num_train, c.task.num_test, c.sft.batch_size, c.rl.prompts_per_step = 64, 16, 32, 32
+  c.task.sft_blanks, c.task.blanks = 6, 11
+  data = train.build_data(c, train.build_tokenizer(c), str(tmp_path))
+  train_grids, test_grids = set(sudoku.split_solutions("train")), set(sudoku.split_solutions("test"))
+  sft = [ex for _ in range(2) for ex in next(data.sft)["examples"]]
+  rl_examples = [ex for _ in range(2) for ex in next(data.rl)["examples"]]
+  assert all(ex["solution"] in train_grids and ex["puzzle"].count("0") == 6 for ex in sft)
+  assert all(ex["solution"] in train_grids and ex["puzzle"].count("0") == 11 for ex in rl_examples)
+  assert all(ex["solution"] in test_grids and ex["puzzle"].count("0") == 11 for ex in data.test)
+  c.task.sft_blanks = 13
+  with pytest.raises(ValueError, match="task.sft_blanks"):
+    config_lib.validate(c)

@@ -1,0 +1,88 @@
+"""Does RL raise held-out accuracy by more than the spread between seeds? The main command, once
+per seed, then a table of held-out accuracy before and after RL.
+
+  .venv/bin/python bench/rl_seeds.py --config=configs/sdar.py --seeds=0,1,2
+  .venv/bin/python bench/rl_seeds.py --config=configs/llada.py --seeds=0,1,2 --parallel=2
+
+Each seed runs `python -m stabledrl_jax.main --config=CONFIG --config.seed=S` in its own workdir
+under `--root` (a finished run is read back, not redone; an interrupted one resumes). With
+`--parallel=N`, N runs share the machine, each pinned to its own CPUs, so the wall times in the
+table are then per run on fewer cores. Extra arguments after `--` go to every run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def read_evals(workdir: str) -> dict[str, dict]:
+  path = os.path.join(workdir, "eval.jsonl")
+  if not os.path.exists(path):
+    return {}
+  return {e["tag"]: e for e in map(json.loads, filter(str.strip, open(path)))}
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--config", default="configs/sdar.py")
+  p.add_argument("--seeds", default="0,1,2")
+  p.add_argument("--root", default="runs/seeds")
+  p.add_argument("--parallel", type=int, default=1)
+  p.add_argument("extra", nargs="*", help="more flags for main, after --")
+  args = p.parse_args()
+  seeds = [int(s) for s in args.seeds.split(",")]
+  name = os.path.splitext(os.path.basename(args.config.partition(":")[0]))[0]
+  workdirs = {s: os.path.join(args.root, f"{name}_seed{s}") for s in seeds}
+  cpus = os.cpu_count() or 1
+  per_run = max(cpus // args.parallel, 1)
+  pending, running, walls = list(seeds), {}, {}
+  while pending or running:
+    while pending and len(running) < args.parallel:
+      s = pending.pop(0)
+      if "after RL" in read_evals(workdirs[s]):
+        continue
+      slot = len(running)
+      cmd = [sys.executable, "-m", "stabledrl_jax.main", f"--config={args.config}",
+             f"--workdir={workdirs[s]}", f"--config.seed={s}", *args.extra]
+      if args.parallel > 1 and hasattr(os, "sched_setaffinity"):
+        cmd = ["taskset", "-c", f"{slot * per_run}-{(slot + 1) * per_run - 1}", *cmd]
+      os.makedirs(workdirs[s], exist_ok=True)
+      log = open(os.path.join(workdirs[s], "stdout.log"), "a")
+      print(f"seed {s}: {' '.join(cmd)}", flush=True)
+      running[s] = (subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT), time.time())
+    for s, (proc, t0) in list(running.items()):
+      if proc.poll() is not None:
+        del running[s]
+        walls[s] = time.time() - t0
+        if proc.returncode:
+          sys.exit(f"seed {s} failed (rc {proc.returncode}); see {workdirs[s]}/stdout.log")
+        print(f"seed {s}: done in {walls[s] / 60:.1f} min", flush=True)
+    time.sleep(2)
+
+  rows = []
+  print(f"\n{name}: held-out accuracy (blank cells) and solve rate, greedy decoding")
+  print(f"{'seed':>4} | {'before RL':>9} | {'after RL':>8} | {'gain':>6} | solved before -> after | wall")
+  for s in seeds:
+    e = read_evals(workdirs[s])
+    before, after = e["before RL"], e["after RL"]
+    gain = after["accuracy"] - before["accuracy"]
+    rows.append((before["accuracy"], after["accuracy"], gain))
+    wall = f"{walls[s] / 60:.1f} min" if s in walls else "earlier"
+    print(f"{s:>4} | {before['accuracy']:9.3f} | {after['accuracy']:8.3f} | {gain:+6.3f} | "
+          f"{before['solve_rate']:.3f} -> {after['solve_rate']:.3f}       | {wall}")
+  befores, afters, gains = zip(*rows)
+  print(f"mean | {sum(befores) / len(rows):9.3f} | {sum(afters) / len(rows):8.3f} | "
+        f"{sum(gains) / len(rows):+6.3f} |")
+  spread = max(max(befores) - min(befores), max(afters) - min(afters))
+  print(f"smallest gain {min(gains):+.3f}; spread between seeds (max - min, before or after RL) "
+        f"{spread:.3f}: RL gain {'exceeds' if min(gains) > spread else 'does NOT exceed'} the spread")
+
+
+if __name__ == "__main__":
+  main()
