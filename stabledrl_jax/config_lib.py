@@ -166,6 +166,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
     bad("rl.p_mask_prompt", "must lie in [0, 1]")
   if c.family == "sdar" and c.rl.p_mask_prompt:
     bad("rl.p_mask_prompt", "block diffusion never noises the prompt; set 0")
+  if c.task.source == "generated" and c.eval.num_examples > c.task.num_test:
+    bad("eval.num_examples", f"exceeds task.num_test={c.task.num_test}, the held-out examples "
+        "generated; raise task.num_test too")
   if c.task.name == "sudoku":
     if not 1 <= c.task.blanks <= 12:
       bad("task.blanks", "a 4x4 Sudoku with a unique solution has 1 to 12 blanks")

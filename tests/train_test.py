@@ -212,7 +212,7 @@ def test_validate_names_bad_values():
 def test_sft_puzzles_can_be_easier_than_rl_and_evaluation_puzzles(tmp_path):
   c = config_lib.base_config("sdar")
   c.task.num_train, c.task.num_test, c.sft.batch_size, c.rl.prompts_per_step = 64, 16, 32, 32
-  c.task.sft_blanks, c.task.blanks = 6, 11
+  c.task.sft_blanks, c.task.blanks, c.eval.num_examples = 6, 11, 16
   data = train.build_data(c, train.build_tokenizer(c), str(tmp_path))
   train_grids, test_grids = set(sudoku.split_solutions("train")), set(sudoku.split_solutions("test"))
   sft = [ex for _ in range(2) for ex in next(data.sft)["examples"]]
@@ -222,4 +222,7 @@ def test_sft_puzzles_can_be_easier_than_rl_and_evaluation_puzzles(tmp_path):
   assert all(ex["solution"] in test_grids and ex["puzzle"].count("0") == 11 for ex in data.test)
   c.task.sft_blanks = 13
   with pytest.raises(ValueError, match="task.sft_blanks"):
+    config_lib.validate(c)
+  c.task.sft_blanks, c.eval.num_examples = 8, 17  # more than the 16 held-out puzzles generated
+  with pytest.raises(ValueError, match="eval.num_examples"):
     config_lib.validate(c)
