@@ -55,10 +55,12 @@ def main() -> None:
       os.makedirs(workdirs[s], exist_ok=True)
       log = open(os.path.join(workdirs[s], "stdout.log"), "a")
       print(f"seed {s}: {' '.join(cmd)}", flush=True)
-      running[s] = (subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT), time.time())
-    for s, (proc, t0) in list(running.items()):
+      running[s] = (subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT), log,
+                    time.time())
+    for s, (proc, log, t0) in list(running.items()):
       if proc.poll() is not None:
         del running[s]
+        log.close()
         walls[s] = time.time() - t0
         if proc.returncode:
           sys.exit(f"seed {s} failed (rc {proc.returncode}); see {workdirs[s]}/stdout.log")

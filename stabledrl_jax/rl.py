@@ -77,26 +77,24 @@ def policy_loss(model, batch: RLBatch, key: Array, obj: Objective) -> tuple[Arra
     masks = draw_masks(key, batch.seqs, obj)
     noised, weight = masks.noised_BxMxL, masks.weight_BxMxL
   logp_new = logp(model, batch.seqs, noised, obj)
-  loss, metrics = _objective(batch, logp_new, noised, weight, obj)
+  log_ratio, elbo_new = losses.elbo_ratio(logp_new, weight, batch.logp_old_BxMxT,
+                                          batch.weight_old_BxMxT)
   lengths = jnp.sum(batch.seqs.counted_BxT, axis=-1)
-  log_ratio = (losses.mc_elbo(logp_new, weight)
-               - losses.mc_elbo(batch.logp_old_BxMxT, batch.weight_old_BxMxT))
-  kl = diagnostics.kl_estimates(jax.lax.stop_gradient(log_ratio) / jnp.maximum(lengths, 1))
-  return loss, {**metrics, **kl}
+  loss, metrics = _objective(batch, logp_new, noised, log_ratio, elbo_new, lengths, obj)
+  return loss, {**metrics, **diagnostics.kl_estimates(log_ratio / jnp.maximum(lengths, 1))}
 
 
-def _objective(batch: RLBatch, logp_new: Array, noised: Array, weight: Array, obj: Objective):
+def _objective(batch: RLBatch, logp_new: Array, noised: Array, log_ratio: Array, elbo_new: Array,
+               lengths: Array, obj: Objective):
   seqs = batch.seqs
   adv = batch.advantages_B
-  lengths = jnp.sum(seqs.counted_BxT, axis=-1)
   name = obj.name
 
   if name in ("stabledrl", "stabledrl_spg"):
-    log_ratio, elbo = losses.elbo_ratio(logp_new, weight, batch.logp_old_BxMxT, batch.weight_old_BxMxT)
-    surrogate = elbo
+    surrogate = elbo_new
     if name == "stabledrl_spg":
       upper = losses.eubo(logp_new, noised, seqs.counted_BxT, beta=obj.spg_beta)
-      surrogate = losses.spg_surrogate(adv, elbo, upper, omega=obj.spg_omega)
+      surrogate = losses.spg_surrogate(adv, elbo_new, upper, omega=obj.spg_omega)
     return losses.snis_clip_loss(log_ratio, adv, surrogate, group_size=obj.group_size,
                                  epsilon=obj.epsilon, max_ratio=obj.max_ratio)
   if name == "grpo":
@@ -106,7 +104,6 @@ def _objective(batch: RLBatch, logp_new: Array, noised: Array, weight: Array, ob
     mask = seqs.counted_BxT & seen
     return losses.grpo_clip_loss(lp_new - lp_old, adv, epsilon=obj.ppo_epsilon, mask=mask,
                                  ref_log_ratio=lp_ref - lp_new, kl_coef=obj.kl_coef)
-  elbo_new = losses.mc_elbo(logp_new, weight)
   if name == "espo":
     elbo_old = losses.mc_elbo(batch.logp_old_BxMxT, batch.weight_old_BxMxT)
     elbo_ref = losses.mc_elbo(batch.logp_ref_BxMxT, batch.weight_old_BxMxT)
