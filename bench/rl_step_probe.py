@@ -73,8 +73,7 @@ def main() -> None:
     adv = losses.group_advantages(jnp.asarray(train.score(data, rollout, examples, data.reward_fn)),
                                   group_size=g, mode=c.rl.advantage)
     seqs = likelihood.from_rollout(rollout)
-    masks, logp_old, logp_ref = train.behaviour_pass(model, None, seqs, jax.random.key(7 + i), obj)
-    batch = rl.RLBatch(seqs, adv, masks.noised_BxMxL, masks.weight_BxMxL, logp_old, logp_ref)
+    batch, _ = train.behaviour_pass(model, None, seqs, adv, jax.random.key(7 + i), obj)
     gi = nnx.grad(lambda m: rl.policy_loss(m, batch, jax.random.key(0), obj)[0])(model)
     grads = gi if grads is None else jax.tree.map(jnp.add, grads, gi)
 

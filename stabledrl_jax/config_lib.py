@@ -10,7 +10,7 @@ import math
 
 import ml_collections
 
-OBJECTIVES = ("stabledrl", "stabledrl_spg", "grpo", "espo", "spg", "wd1")
+OBJECTIVES = ("stabledrl", "stabledrl_spg", "grpo", "espo", "spg", "wd1", "spg_is")
 SCHEMES = ("random_t", "stratified_l", "block_random", "mean_field", "block_t")
 TASKS = ("countdown", "sudoku", "gsm8k", "math500")
 
@@ -76,6 +76,7 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.rl.advantage = "mean"       # mean | mean_std | leave_one_out
   c.rl.spg_omega = 0.5
   c.rl.spg_beta = 1.5
+  c.rl.adversarial = 0.0        # > 0: SPEC §8 ratio explosion on this fraction of rollouts (0.7)
 
   c.optim = ml_collections.ConfigDict()
   c.optim.b1 = 0.9
@@ -98,8 +99,10 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.eval.batch_size = 128
 
   # Stability detectors (SPEC §8, `controls.MonitorConfig`): events go to metrics.jsonl and the
-  # console, each naming its row of docs/troubleshooting.md.
+  # console, each naming its row of the README's Troubleshooting table.
   c.stability = ml_collections.ConfigDict()
+  c.stability.entropy_band = True         # token entropy leaves its running band (either collapse)
+  c.stability.entropy_z = 5.0
   c.stability.repetition = True           # low-entropy collapse: repeated 4-grams in rollouts
   c.stability.repetition_threshold = 0.5
   c.stability.kl_alarm = True             # KL(old‖new) per token above threshold, 3 steps running
@@ -110,6 +113,28 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.stability.clip_low = 0.10
   c.stability.clip_high = 0.15
   c.stability.stop_on_event = False       # True: checkpoint and stop at the first event
+
+  # Optional controls (SPEC §8, `controls.ControlConfig`), all off: they move the clip ε of the
+  # objective (rl.epsilon, or rl.ppo_epsilon for grpo/espo) and scale the learning rate.
+  c.controls = ml_collections.ConfigDict()
+  c.controls.epsilon_schedule = False     # conservative_epsilon for the first part of RL
+  c.controls.conservative_epsilon = 1.0
+  c.controls.conservative_fraction = 0.2
+  c.controls.adaptive_epsilon = False     # hold the clip fraction in [clip_low, clip_high]
+  c.controls.adaptive_every = 10
+  c.controls.clip_low = 0.10
+  c.controls.clip_high = 0.15
+  c.controls.drift = False                # ε·(1 - α·KL) and lr·min(1, 0.5/(KL - threshold + 1))
+  c.controls.drift_metric = "kl_k3"
+  c.controls.drift_threshold = 0.5
+  c.controls.drift_alpha = 0.5
+  c.controls.drift_decay = 0.9
+
+  # Device mesh (`sharding.make_mesh`): -1 takes the devices the other axes leave.
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = -1
+  c.mesh.fsdp = 1
+  c.mesh.tensor = 1
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 50
@@ -164,6 +189,27 @@ def validate(c: ml_collections.ConfigDict) -> None:
     bad("rl.max_ratio", "must be >= 0 (0 = use epsilon)")
   if not 0 <= c.rl.p_mask_prompt <= 1:
     bad("rl.p_mask_prompt", "must lie in [0, 1]")
+  if not 0 <= c.rl.adversarial <= 1:
+    bad("rl.adversarial", "must lie in [0, 1] (the fraction of rollouts; SPEC §8 uses 0.7)")
+  k = c.controls
+  if k.epsilon_schedule or k.adaptive_epsilon or k.drift:
+    key = next(f"controls.{n}" for n in ("epsilon_schedule", "adaptive_epsilon", "drift") if k[n])
+    if c.rl.objective not in ("stabledrl", "stabledrl_spg", "grpo", "espo"):
+      bad(key, f"rl.objective={c.rl.objective!r} has no clip ε to control")
+    if c.rl.max_ratio and c.rl.objective.startswith("stabledrl"):
+      bad(key, "controls move ε; with rl.max_ratio set ε is unused (set rl.max_ratio=0)")
+  if k.epsilon_schedule and k.adaptive_epsilon:
+    bad("controls.adaptive_epsilon", "controls.epsilon_schedule also sets ε: enable one")
+  if not 0 <= k.conservative_fraction <= 1:
+    bad("controls.conservative_fraction", "must lie in [0, 1]")
+  if not 0 <= k.clip_low < k.clip_high <= 1:
+    bad("controls.clip_high", f"need 0 <= controls.clip_low={k.clip_low} < clip_high <= 1")
+  if k.drift_metric not in ("kl_k1", "kl_k3"):
+    bad("controls.drift_metric", "expected 'kl_k1' or 'kl_k3'")
+  if k.adaptive_every < 1:
+    bad("controls.adaptive_every", "must be >= 1")
+  if k.conservative_epsilon < 0:
+    bad("controls.conservative_epsilon", "must be >= 0")
   if c.family == "sdar" and c.rl.p_mask_prompt:
     bad("rl.p_mask_prompt", "block diffusion never noises the prompt; set 0")
   if c.task.source == "generated" and c.eval.num_examples > c.task.num_test:
@@ -220,6 +266,7 @@ def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
   elif preset == "8b":
     # SPEC §6: the official StableDRL settings (GSM8K), fp32 master weights, bf16 compute.
     c.model.checkpoint = "/path/to/checkpoint"  # must be overridden
+    c.mesh.data, c.mesh.fsdp = 1, -1  # FSDP over every chip
     c.model.tokenizer = "checkpoint"
     c.model.compute_dtype = "bfloat16"
     c.model.remat = True

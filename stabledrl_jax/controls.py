@@ -6,7 +6,7 @@ pieces keep their state in a JSON-able dict (`state_dict` / `load_state_dict`), 
 checkpoint it with the model and a resumed run behaves as if it had never stopped.
 
 Detector events name a row of `TROUBLESHOOTING` (symptom → likely cause → config change), the
-same table `troubleshooting_markdown()` renders into `docs/troubleshooting.md`.
+same table `troubleshooting_markdown()` renders into the README's Troubleshooting section.
 """
 from __future__ import annotations
 
@@ -79,9 +79,9 @@ TROUBLESHOOTING: dict[str, Row] = {
 
 
 def troubleshooting_markdown() -> str:
-  """The troubleshooting table as a markdown document (the content of `docs/troubleshooting.md`)."""
+  """The troubleshooting table as the README's markdown section (the test keeps them equal)."""
   lines = [
-      "# Troubleshooting",
+      "### Troubleshooting",
       "",
       "Generated from `stabledrl_jax.controls.TROUBLESHOOTING`; detector events name the row key.",
       "",
@@ -416,3 +416,70 @@ def config_warnings(*, lr: float, group_size: int, epsilon: float | None = None,
       out.append(f"block length {block_length} is outside the {lo}–{hi} tokens suggested for "
                  f"{kind} models")
   return out
+
+
+# ----------------------------------------------------------------------------- per-step settings
+
+
+@dataclasses.dataclass
+class ControlConfig:
+  """The optional controls of SPEC §8 (all off by default), as the trainer's `config.controls`."""
+  epsilon_schedule: bool = False     # conservative ε for the first part of RL, then the configured one
+  conservative_epsilon: float = 1.0
+  conservative_fraction: float = 0.2
+  adaptive_epsilon: bool = False     # steer ε so the clip fraction sits in [clip_low, clip_high]
+  adaptive_every: int = 10
+  clip_low: float = 0.10
+  clip_high: float = 0.15
+  drift: bool = False                # drift-aware ε and learning-rate brake from the KL estimate
+  drift_metric: str = "kl_k3"
+  drift_threshold: float = 0.5
+  drift_alpha: float = 0.5
+  drift_decay: float = 0.9
+
+
+class StepControls:
+  """The clip ε and learning-rate factor of each RL step, from the enabled controls.
+
+  `settings(i)` gives `(epsilon, lr_scale)` for RL step `i` (0-based) of `total`; `update(metrics)`
+  feeds the step's metrics back (clip fraction to adaptive ε, KL to the drift control). With
+  everything off it returns `(epsilon, 1.0)` every step. State is JSON-able for checkpoints.
+  """
+
+  def __init__(self, config: ControlConfig, *, epsilon: float, total: int):
+    if config.epsilon_schedule and config.adaptive_epsilon:
+      raise ValueError("epsilon_schedule and adaptive_epsilon both set ε: enable one of them")
+    self.config, self.epsilon, self.total = config, float(epsilon), total
+    self.adaptive = (AdaptiveEpsilon(epsilon=self.epsilon, target_low=config.clip_low,
+                                     target_high=config.clip_high, every=config.adaptive_every)
+                     if config.adaptive_epsilon else None)
+    self.drift = (DriftControl(threshold=config.drift_threshold, alpha=config.drift_alpha,
+                               decay=config.drift_decay) if config.drift else None)
+
+  def settings(self, i: int) -> tuple[float, float]:
+    c = self.config
+    eps = self.epsilon
+    if c.epsilon_schedule:
+      eps = scheduled_epsilon(i, self.total, conservative=c.conservative_epsilon, relaxed=eps,
+                              conservative_fraction=c.conservative_fraction)
+    if self.adaptive is not None:
+      eps = self.adaptive.epsilon
+    if self.drift is not None:
+      lr_scale, eps = self.drift.apply(1.0, eps)
+      return eps, lr_scale
+    return eps, 1.0
+
+  def update(self, metrics: Mapping[str, float]) -> None:
+    if self.adaptive is not None and "clip_fraction" in metrics:
+      self.adaptive.update(float(metrics["clip_fraction"]))
+    if self.drift is not None and self.config.drift_metric in metrics:
+      self.drift.update(float(metrics[self.config.drift_metric]))
+
+  def state_dict(self) -> dict[str, Any]:
+    return {k: d.state_dict() for k, d in (("adaptive", self.adaptive), ("drift", self.drift))
+            if d is not None}
+
+  def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    for k, d in (("adaptive", self.adaptive), ("drift", self.drift)):
+      if d is not None and k in state:
+        d.load_state_dict(state[k])

@@ -178,6 +178,48 @@ def sample_old_new_masks(
   raise ValueError(f"unknown mask coupling {coupling!r}: expected 'coupled' or 'independent'")
 
 
+def adversarial_masks(
+    key: Array,
+    completion_BxL: Array,
+    counted_BxL: Array | None = None,
+    *,
+    num_samples: int,
+    fraction: float = 0.7,
+    easy_fraction: float = 0.1,
+) -> tuple[Array, MaskSample, MaskSample]:
+  """SPEC §8's adversarial ratio explosion: `(rows_B, easy, hard)`, driving `ρ → ∞` on purpose.
+
+  A random `fraction` of the rows is chosen (`rows_B`); for those the new policy's ELBO is meant
+  to use `easy` (only the last `max(1, ⌈easy_fraction·n⌉)` counted tokens masked: the fewest,
+  at the end, each predicted from nearly the whole clean sequence) and the old policy's `hard`
+  (every completion position masked: the most, from the start). Weights are on the
+  sequence-sum scale (`n/l` for `l` masked of `n` counted tokens, as `stratified_l`), so the
+  estimated log ratio grows with the completion length times the per-token gap: tens of nats
+  (log10 ρ ≫ 8) for a model that has learnt anything. All `num_samples` samples are equal.
+  """
+  if not 0.0 <= fraction <= 1.0:
+    raise ValueError(f"adversarial fraction must lie in [0, 1], got {fraction}")
+  if not 0.0 < easy_fraction <= 1.0:
+    raise ValueError(f"easy_fraction must lie in (0, 1], got {easy_fraction}")
+  completion = completion_BxL.astype(bool)
+  counted = completion if counted_BxL is None else counted_BxL.astype(bool) & completion
+  b, l = completion.shape
+  rows_B = jax.random.uniform(key, (b,)) < fraction
+  n_B1 = jnp.sum(counted, -1, keepdims=True)
+  k_B1 = jnp.maximum(jnp.ceil(easy_fraction * n_B1), 1)
+  from_end_BxL = n_B1 - jnp.cumsum(counted, -1)  # 0 at the last counted token
+  easy = counted & (from_end_BxL < k_B1)
+  n_f = jnp.maximum(n_B1, 1).astype(jnp.float32)
+  easy_w = jnp.where(easy, n_f / k_B1.astype(jnp.float32), 0.0)
+  hard_w = jnp.where(counted, 1.0, 0.0)
+
+  def tile(x_BxL):
+    return jnp.broadcast_to(x_BxL[:, None, :], (b, num_samples, l))
+
+  return (rows_B, MaskSample(tile(easy), tile(easy_w).astype(jnp.float32)),
+          MaskSample(tile(completion), tile(hard_w).astype(jnp.float32)))
+
+
 def _mask_prob(t: Array, min_mask_prob: float) -> Array:
   return (1.0 - min_mask_prob) * t + min_mask_prob
 

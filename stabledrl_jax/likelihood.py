@@ -13,7 +13,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from stabledrl_jax import estimators, samplers
+from stabledrl_jax import diagnostics, estimators, samplers
 
 Array = jax.Array
 
@@ -42,9 +42,9 @@ def sample(key: Array, seqs: Sequences, *, scheme: str, num_samples: int, p_mask
                                  p_mask_prompt=p_mask_prompt, block_size=block_size)
 
 
-def masked_logp(model, seqs: Sequences, noised_BxMxL: Array, *, staircase: bool,
-                block_size: int | None = None) -> Array:
-  """float32 `log p(x_i | x_t)` for every position of every masked copy, `[B, M, T]`."""
+def masked_hidden(model, seqs: Sequences, noised_BxMxL: Array, *, staircase: bool,
+                  block_size: int | None = None) -> Array:
+  """Final-normed hidden states for every position of every masked copy, `[B*M, T, D]`."""
   b, m, t = noised_BxMxL.shape
   cfg = model.config
   noisy = estimators.apply_masks(seqs.tokens_BxT, noised_BxMxL, cfg.mask_token_id).reshape(b * m, t)
@@ -53,12 +53,60 @@ def masked_logp(model, seqs: Sequences, noised_BxMxL: Array, *, staircase: bool,
     return jnp.repeat(x_BxT, m, axis=0)
 
   if staircase:
-    logits = model.staircase_logits(noisy, tile(seqs.tokens_BxT), block_size=block_size,
-                                    positions=tile(seqs.positions_BxT), valid_BxN=tile(seqs.valid_BxT))
+    return model.staircase_logits(noisy, tile(seqs.tokens_BxT), block_size=block_size,
+                                  positions=tile(seqs.positions_BxT),
+                                  valid_BxN=tile(seqs.valid_BxT), head=False)
+  return model.logits(noisy, attention="full", positions=tile(seqs.positions_BxT),
+                      valid_BxL=tile(seqs.valid_BxT), head=False)
+
+
+# Logits held at once per chunk of positions: rows x chunk x vocab float32 values (64 MiB per row).
+_CHUNK_ELEMENTS = 2**24
+
+
+def head_logp(model, h_NxTxD: Array, targets_NxT: Array, *, with_entropy: bool = False):
+  """`log p(target)` `[N, T]` (and the prediction's entropy) from hidden states, the head run on
+  chunks of positions under `jax.checkpoint`: full `[N, T, V]` logits never exist at once, in the
+  forward or the backward pass (an 8B vocabulary of 152k makes them the largest tensor)."""
+  n, t, d = h_NxTxD.shape
+  chunk = max(1, min(t, _CHUNK_ELEMENTS // model.config.vocab_size))
+  pad = (-t) % chunk
+
+  @jax.checkpoint
+  def one(args):
+    h_NxCxD, tgt_NxC = args
+    logits = model.head_logits(h_NxCxD)
+    lp = estimators.token_logp(logits, tgt_NxC)
+    ent = diagnostics.token_entropies(logits) if with_entropy else jnp.zeros_like(lp)
+    return lp, ent
+
+  if pad == 0 and chunk == t:
+    lp, ent = one((h_NxTxD, targets_NxT))
   else:
-    logits = model.logits(noisy, attention="full", positions=tile(seqs.positions_BxT),
-                          valid_BxL=tile(seqs.valid_BxT))
-  return estimators.token_logp(logits, tile(seqs.tokens_BxT)).reshape(b, m, t)
+    h = jnp.pad(h_NxTxD, ((0, 0), (0, pad), (0, 0)))
+    tgt = jnp.pad(targets_NxT, ((0, 0), (0, pad)))
+    k = (t + pad) // chunk
+    h_KxNxCxD = h.reshape(n, k, chunk, d).transpose(1, 0, 2, 3)
+    tgt_KxNxC = tgt.reshape(n, k, chunk).transpose(1, 0, 2)
+    lp, ent = jax.lax.map(one, (h_KxNxCxD, tgt_KxNxC))
+    lp = lp.transpose(1, 0, 2).reshape(n, t + pad)[:, :t]
+    ent = ent.transpose(1, 0, 2).reshape(n, t + pad)[:, :t]
+  return (lp, ent) if with_entropy else lp
+
+
+def masked_logp(model, seqs: Sequences, noised_BxMxL: Array, *, staircase: bool,
+                block_size: int | None = None, with_entropy: bool = False):
+  """float32 `log p(x_i | x_t)` for every position of every masked copy, `[B, M, T]`.
+
+  `with_entropy=True` returns `(logp, entropy)`, the entropy (nats) of the model's prediction at
+  each position, same shape, from the same forward pass.
+  """
+  b, m, t = noised_BxMxL.shape
+  h = masked_hidden(model, seqs, noised_BxMxL, staircase=staircase, block_size=block_size)
+  out = head_logp(model, h, jnp.repeat(seqs.tokens_BxT, m, axis=0), with_entropy=with_entropy)
+  if not with_entropy:
+    return out.reshape(b, m, t)
+  return out[0].reshape(b, m, t), out[1].reshape(b, m, t)
 
 
 def teacher_forced(prompt_BxP: Array, prompt_valid_BxP: Array, completion_BxG: Array, *,

@@ -58,16 +58,22 @@ def _masked_log10_ratio_stats(log_ratio: Array, mask: Array) -> dict[str, Array]
   }
 
 
-def clip_bounds(epsilon: float | None, max_ratio: float | None = None) -> tuple[float, float]:
+def clip_bounds(epsilon: float | Array | None,
+                max_ratio: float | None = None) -> tuple[float | Array, float | Array]:
   """Log-space clip bounds: `[log(max(1-ε, 0)), log(1+ε)]`, or `(-inf, log max_ratio]`.
 
   `log 0 = -inf`, so with the paper's `ε = 5` only the upper bound `log 6` is active. Giving
-  `max_ratio` (the official code uses 5) replaces both bounds and ignores `epsilon`.
+  `max_ratio` (the official code uses 5) replaces both bounds and ignores `epsilon`. A traced
+  `epsilon` (a JAX array, e.g. adaptive ε fed to a jitted step) gives array bounds; checking
+  its value is then the caller's job.
   """
   if max_ratio is not None:
     if not max_ratio > 0:
       raise ValueError(f"max_ratio must be > 0, got {max_ratio}")
     return -math.inf, math.log(max_ratio)
+  if isinstance(epsilon, jax.Array):
+    eps = epsilon.astype(jnp.float32)
+    return jnp.log(jnp.maximum(1.0 - eps, 0.0)), jnp.log1p(eps)
   if epsilon is None or not epsilon >= 0:
     raise ValueError(f"epsilon must be >= 0, got {epsilon}")
   low = 1.0 - epsilon
@@ -93,7 +99,7 @@ def snis_clip_loss(
     surrogate: Array,
     *,
     group_size: int,
-    epsilon: float | None = 5.0,
+    epsilon: float | Array | None = 5.0,
     max_ratio: float | None = None,
     valid: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
@@ -356,6 +362,32 @@ def spg_loss(
   terms = jnp.where(valid, w * advantages.astype(jnp.float32) * surrogate.astype(jnp.float32), 0.0)
   loss = -jnp.sum(terms) / jnp.maximum(jnp.sum(w), 1.0)
   return loss, {"surrogate_mean": _masked_mean(surrogate.astype(jnp.float32), valid)}
+
+
+def importance_weighted_loss(
+    log_ratio: Array,
+    advantages: Array,
+    surrogate: Array,
+    *,
+    group_size: int,
+    valid: Array | None = None,
+) -> tuple[Array, dict[str, Array]]:
+  """Plain importance weights, the ablation StableDRL replaces: `-mean_groups Σ_j (ρ_j/G) A_j L_j`.
+
+  `ρ_j = exp(ℓ_j)` unclipped and not self-normalised (gradient stopped), `G` the number of valid
+  rows of the group, `L_j` the surrogate (e.g. `spg_surrogate`). The gradient grows linearly in
+  `ρ`, and `exp` of a large estimated log ratio overflows to inf: kept as is on purpose, so
+  stability experiments can show what the clip and the self-normalisation prevent.
+  """
+  log_ratio = jax.lax.stop_gradient(log_ratio).astype(jnp.float32)
+  valid = _valid_or_ones(valid, log_ratio)
+  valid_NxG = _grouped(valid, group_size)
+  n_N1 = jnp.maximum(jnp.sum(valid_NxG, axis=-1, keepdims=True), 1).astype(jnp.float32)
+  w_NxG = jnp.exp(_grouped(log_ratio, group_size)) / n_N1
+  terms_NxG = jnp.where(valid_NxG, w_NxG * _grouped(advantages.astype(jnp.float32), group_size)
+                        * _grouped(surrogate.astype(jnp.float32), group_size), 0.0)
+  loss = -_masked_mean(jnp.sum(terms_NxG, axis=-1), jnp.any(valid_NxG, axis=-1))
+  return loss, _masked_log10_ratio_stats(log_ratio, valid)
 
 
 def wd1_loss(

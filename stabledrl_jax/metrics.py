@@ -1,10 +1,17 @@
 """Run logging: `metrics.jsonl` (one JSON object per step), TensorBoard events, a console progress
-line, and a PNG of the curves at the end. Only process 0 writes."""
+line, and a PNG of the curves at the end. Only process 0 writes.
+
+The files are written by a background thread, so encoding, appending and TensorBoard's event
+writing stay off the training loop's critical path; `flush()` waits for them.
+"""
 from __future__ import annotations
 
 import json
 import math
 import os
+import queue
+import sys
+import threading
 import time
 from typing import Any
 
@@ -37,7 +44,11 @@ def truncate_jsonl(path: str, last_step: int) -> None:
 
 
 class MetricsWriter:
-  """Appends step records to WORKDIR/metrics.jsonl and WORKDIR/tb; prints progress lines."""
+  """Appends step records to WORKDIR/metrics.jsonl and WORKDIR/tb; prints progress lines.
+
+  `write` only queues the record; a background thread writes it. A write that failed there (disk
+  full, a record JSON cannot hold) is raised by the next `write` or `flush`.
+  """
 
   def __init__(self, workdir: str, *, total_steps: int, resume_step: int | None):
     self.active = jax.process_index() == 0
@@ -47,6 +58,8 @@ class MetricsWriter:
     self._t0 = time.time()
     self._steps_done = 0
     self._tb = None
+    self._thread = None
+    self._error: BaseException | None = None
     if not self.active:
       return
     for p in (self.path, self.eval_path):
@@ -56,13 +69,44 @@ class MetricsWriter:
         truncate_jsonl(p, resume_step)
     from tensorboardX import SummaryWriter
     self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+    self._queue: queue.Queue = queue.Queue()
+    self._thread = threading.Thread(target=self._drain, name="metrics-writer", daemon=True)
+    self._thread.start()
 
   def write(self, step: int, record: dict[str, Any], *, eval_record: bool = False) -> None:
     if not self.active:
       return
+    self._raise_if_failed()
+    self._queue.put((step, dict(record), eval_record))
+
+  def flush(self) -> None:
+    """Wait until every queued record is on disk."""
+    if self._thread is not None:
+      self._queue.join()
+    self._raise_if_failed()
+
+  def _raise_if_failed(self) -> None:
+    if self._error is not None:
+      raise RuntimeError(f"writing metrics to {self.path} failed: {self._error!r}") from self._error
+
+  def _drain(self) -> None:
+    while True:
+      item = self._queue.get()
+      try:
+        if item is None:
+          return
+        if self._error is None:
+          self._write_now(*item)
+      except Exception as e:  # surfaced by the next write() / flush()
+        self._error = e
+      finally:
+        self._queue.task_done()
+
+  def _write_now(self, step: int, record: dict[str, Any], eval_record: bool) -> None:
     record = {"step": step, **{k: _clean(v) for k, v in record.items()}}
+    line = json.dumps(record) + "\n"
     with open(self.eval_path if eval_record else self.path, "a") as f:
-      f.write(json.dumps(record) + "\n")
+      f.write(line)
     prefix = "eval/" if eval_record else ""
     for k, v in record.items():
       if k != "step" and isinstance(v, (int, float)):
@@ -86,8 +130,18 @@ class MetricsWriter:
     print(" | ".join(parts), flush=True)
 
   def close(self) -> None:
+    """Write what is queued and stop the thread (warns, rather than raises, on a failed write:
+    `close` runs in `finally` blocks and must not hide the exception in flight)."""
+    if self._thread is not None:
+      self._queue.put(None)
+      self._thread.join()
+      self._thread = None
     if self._tb is not None:
       self._tb.close()
+      self._tb = None
+    if self._error is not None:
+      print(f"warning: writing metrics to {self.path} failed: {self._error!r}", file=sys.stderr,
+            flush=True)
 
 
 def plot_curves(workdir: str) -> str | None:

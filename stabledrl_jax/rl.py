@@ -34,6 +34,15 @@ class Objective:
   kl_coef: float = 0.0
   spg_omega: float = 0.5
   spg_beta: float = 1.5
+  adversarial: float = 0.0  # > 0: SPEC §8's ratio explosion on this fraction of the rollouts
+
+
+class Adversarial(NamedTuple):
+  """The rows under the adversarial mode and their "easy" masks for the new policy's ELBO (the
+  behaviour policy saw the "hard" ones): `estimators.adversarial_masks`."""
+  rows_B: Array
+  noised_BxMxT: Array
+  weight_BxMxT: Array
 
 
 class RLBatch(NamedTuple):
@@ -43,6 +52,7 @@ class RLBatch(NamedTuple):
   weight_old_BxMxT: Array
   logp_old_BxMxT: Array
   logp_ref_BxMxT: Array    # frozen reference model under the same masks; zeros when kl_coef = 0
+  adversarial: Adversarial | None = None
 
 
 def draw_masks(key: Array, seqs: likelihood.Sequences, obj: Objective) -> estimators.MaskSample:
@@ -56,9 +66,33 @@ def logp(model, seqs: likelihood.Sequences, noised_BxMxL: Array, obj: Objective)
 
 
 def behaviour_logp(model, seqs: likelihood.Sequences, key: Array, obj: Objective):
-  """The old policy's masks and log-probs for a fresh rollout batch (no gradient)."""
+  """The old policy's masks and log-probs for a fresh rollout batch (no gradient):
+  `(masks, logp_old_BxMxT, adversarial, token_entropy)`.
+
+  `adversarial` is `None` unless `obj.adversarial > 0`; then the chosen rows' old masks are the
+  "hard" ones. `token_entropy` is the mean entropy (nats) of the old policy's predictions at the
+  masked counted positions of the rollouts, from the same forward pass.
+  """
   masks = draw_masks(key, seqs, obj)
-  return masks, jax.lax.stop_gradient(logp(model, seqs, masks.noised_BxMxL, obj))
+  adversarial = None
+  if obj.adversarial > 0:
+    rows_B, easy, hard = estimators.adversarial_masks(
+        jax.random.fold_in(key, 1), seqs.completion_BxT, seqs.counted_BxT,
+        num_samples=obj.num_samples, fraction=obj.adversarial)
+    masks = _where_rows(rows_B, hard, masks)
+    adversarial = Adversarial(rows_B, easy.noised_BxMxL, easy.weight_BxMxL)
+  lp, ent = likelihood.masked_logp(model, seqs, masks.noised_BxMxL, staircase=obj.staircase,
+                                   block_size=obj.block_size, with_entropy=True)
+  seen = masks.noised_BxMxL & seqs.counted_BxT[:, None, :]
+  entropy = jnp.sum(jnp.where(seen, ent, 0.0)) / jnp.maximum(jnp.sum(seen), 1)
+  return masks, jax.lax.stop_gradient(lp), adversarial, jax.lax.stop_gradient(entropy)
+
+
+def _where_rows(rows_B: Array, on: estimators.MaskSample,
+                off: estimators.MaskSample) -> estimators.MaskSample:
+  pick = rows_B[:, None, None]
+  return estimators.MaskSample(jnp.where(pick, on.noised_BxMxL, off.noised_BxMxL),
+                               jnp.where(pick, on.weight_BxMxL, off.weight_BxMxL))
 
 
 def _per_token(logp_BxMxT: Array, noised_BxMxL: Array) -> tuple[Array, Array]:
@@ -68,27 +102,47 @@ def _per_token(logp_BxMxT: Array, noised_BxMxL: Array) -> tuple[Array, Array]:
   return total / jnp.maximum(n, 1), n > 0
 
 
-def policy_loss(model, batch: RLBatch, key: Array, obj: Objective) -> tuple[Array, dict[str, Array]]:
+def policy_loss(model, batch: RLBatch, key: Array, obj: Objective,
+                clip_epsilon: Array | float | None = None) -> tuple[Array, dict[str, Array]]:
   """The configured objective's loss on one (micro-)batch of whole groups, and its metrics plus
-  `kl_k1`/`kl_k3`: KL(π_old‖π_θ) per token, from the length-normalised ELBO log ratio."""
+  `kl_k1`/`kl_k3`: KL(π_old‖π_θ) per token, from the length-normalised ELBO log ratio, and (clipped
+  objectives) `clipped_token_fraction`: the fraction of completion tokens whose weight was clipped.
+
+  `clip_epsilon` (may be traced) replaces the objective's clip ε — `obj.epsilon` for StableDRL,
+  `obj.ppo_epsilon` for GRPO/ESPO — so adaptive or scheduled ε does not recompile the step.
+  """
   if obj.coupling == "coupled":
-    noised, weight = batch.noised_old_BxMxT, batch.weight_old_BxMxT
+    masks = estimators.MaskSample(batch.noised_old_BxMxT, batch.weight_old_BxMxT)
   else:
     masks = draw_masks(key, batch.seqs, obj)
-    noised, weight = masks.noised_BxMxL, masks.weight_BxMxL
+  if batch.adversarial is not None:
+    adv = batch.adversarial
+    masks = _where_rows(adv.rows_B, estimators.MaskSample(adv.noised_BxMxT, adv.weight_BxMxT), masks)
+  noised, weight = masks
   logp_new = logp(model, batch.seqs, noised, obj)
   log_ratio, elbo_new = losses.elbo_ratio(logp_new, weight, batch.logp_old_BxMxT,
                                           batch.weight_old_BxMxT)
   lengths = jnp.sum(batch.seqs.counted_BxT, axis=-1)
-  loss, metrics = _objective(batch, logp_new, noised, log_ratio, elbo_new, lengths, obj)
+  loss, metrics = _objective(batch, logp_new, noised, log_ratio, elbo_new, lengths, obj,
+                             clip_epsilon)
+  if obj.name in ("stabledrl", "stabledrl_spg"):  # the weight is per sequence: count its tokens
+    low, high = losses.clip_bounds(obj.epsilon if clip_epsilon is None else clip_epsilon,
+                                   obj.max_ratio)
+    outside = ((log_ratio < low) | (log_ratio > high)).astype(jnp.float32)
+    n = lengths.astype(jnp.float32)
+    metrics["clipped_token_fraction"] = jnp.sum(outside * n) / jnp.maximum(jnp.sum(n), 1.0)
+  elif obj.name == "grpo":  # token-level ratios: the clip fraction already counts tokens
+    metrics["clipped_token_fraction"] = metrics["clip_fraction"]
   return loss, {**metrics, **diagnostics.kl_estimates(log_ratio / jnp.maximum(lengths, 1))}
 
 
 def _objective(batch: RLBatch, logp_new: Array, noised: Array, log_ratio: Array, elbo_new: Array,
-               lengths: Array, obj: Objective):
+               lengths: Array, obj: Objective, clip_epsilon: Array | float | None = None):
   seqs = batch.seqs
   adv = batch.advantages_B
   name = obj.name
+  eps = obj.epsilon if clip_epsilon is None else clip_epsilon
+  ppo_eps = obj.ppo_epsilon if clip_epsilon is None else clip_epsilon
 
   if name in ("stabledrl", "stabledrl_spg"):
     surrogate = elbo_new
@@ -96,22 +150,25 @@ def _objective(batch: RLBatch, logp_new: Array, noised: Array, log_ratio: Array,
       upper = losses.eubo(logp_new, noised, seqs.counted_BxT, beta=obj.spg_beta)
       surrogate = losses.spg_surrogate(adv, elbo_new, upper, omega=obj.spg_omega)
     return losses.snis_clip_loss(log_ratio, adv, surrogate, group_size=obj.group_size,
-                                 epsilon=obj.epsilon, max_ratio=obj.max_ratio)
+                                 epsilon=eps, max_ratio=obj.max_ratio)
   if name == "grpo":
     lp_new, seen = _per_token(logp_new, noised)
     lp_old, _ = _per_token(batch.logp_old_BxMxT, batch.noised_old_BxMxT)
     lp_ref, _ = _per_token(batch.logp_ref_BxMxT, batch.noised_old_BxMxT)
     mask = seqs.counted_BxT & seen
-    return losses.grpo_clip_loss(lp_new - lp_old, adv, epsilon=obj.ppo_epsilon, mask=mask,
+    return losses.grpo_clip_loss(lp_new - lp_old, adv, epsilon=ppo_eps, mask=mask,
                                  ref_log_ratio=lp_ref - lp_new, kl_coef=obj.kl_coef)
   if name == "espo":
     elbo_old = losses.mc_elbo(batch.logp_old_BxMxT, batch.weight_old_BxMxT)
     elbo_ref = losses.mc_elbo(batch.logp_ref_BxMxT, batch.weight_old_BxMxT)
-    return losses.espo_loss(elbo_new, elbo_old, adv, lengths, epsilon=obj.ppo_epsilon,
+    return losses.espo_loss(elbo_new, elbo_old, adv, lengths, epsilon=ppo_eps,
                             kl_coef=obj.kl_coef, elbo_ref=elbo_ref)
-  if name == "spg":
+  if name in ("spg", "spg_is"):
     upper = losses.eubo(logp_new, noised, seqs.counted_BxT, beta=obj.spg_beta)
-    return losses.spg_loss(adv, losses.spg_surrogate(adv, elbo_new, upper, omega=obj.spg_omega), lengths)
+    surrogate = losses.spg_surrogate(adv, elbo_new, upper, omega=obj.spg_omega)
+    if name == "spg_is":
+      return losses.importance_weighted_loss(log_ratio, adv, surrogate, group_size=obj.group_size)
+    return losses.spg_loss(adv, surrogate, lengths)
   if name == "wd1":
     return losses.wd1_loss(adv, elbo_new, group_size=obj.group_size)
   raise ValueError(f"unknown objective {name!r}")

@@ -202,15 +202,19 @@ def _llada_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: LLaDASam
   steps_per_block = sampling.steps // (g // bl)
   tokens, positions, valid, prompt_mask = llada_layout(prompt_BxP, prompt_valid_BxP, g, mask_id)
 
-  def forward(x_BxT):
+  def block_logits(x_BxT, start):
+    """Logits of the current block only: the head (vocabulary-sized) runs on its positions."""
+    def run(ids, pos, val):
+      h = model.logits(ids, attention="full", positions=pos, valid_BxL=val, head=False)
+      return model.head_logits(jax.lax.dynamic_slice_in_dim(h, start, bl, axis=1))
+
     if sampling.cfg_scale > 0:
       uncond = jnp.where(prompt_mask, mask_id, x_BxT)
-      both = model.logits(jnp.concatenate([x_BxT, uncond]), attention="full",
-                          positions=jnp.concatenate([positions, positions]),
-                          valid_BxL=jnp.concatenate([valid, valid]))
+      both = run(jnp.concatenate([x_BxT, uncond]), jnp.concatenate([positions, positions]),
+                 jnp.concatenate([valid, valid]))
       cond, unc = both[:b], both[b:]
       return unc + (sampling.cfg_scale + 1.0) * (cond - unc)
-    return model.logits(x_BxT, attention="full", positions=positions, valid_BxL=valid)
+    return run(x_BxT, positions, valid)
 
   def step(s, carry):
     x_BxT, schedule_BxS, when_BxT = carry
@@ -221,7 +225,7 @@ def _llada_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: LLaDASam
     schedule_BxS = jnp.where(s % steps_per_block == 0,
                              commit_schedule(jnp.sum(still_masked, -1), steps_per_block),
                              schedule_BxS)
-    logits_BxKxV = _forbid(jax.lax.dynamic_slice_in_dim(forward(x_BxT), start, bl, axis=1), mask_id)
+    logits_BxKxV = _forbid(block_logits(x_BxT, start), mask_id)
     u_choice, u_conf = _uniforms(key, s, logits_BxKxV.shape)
     x0_BxK = gumbel_argmax(logits_BxKxV, sampling.temperature, u_choice)
     if sampling.remasking == "low_confidence":

@@ -19,8 +19,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from stabledrl_jax import (checkpointing, config_lib, controls, diagnostics, likelihood, losses, metrics,
-                           models, rl, samplers)
+from stabledrl_jax import (checkpointing, config_lib, controls, diagnostics, flops, likelihood, losses,
+                           metrics, models, rl, samplers, sharding)
 from stabledrl_jax.tasks import datasets, get_task, pipeline
 from stabledrl_jax.tasks.tokenizer import CharTokenizer, HFTokenizer
 
@@ -34,10 +34,19 @@ def build_tokenizer(c: ml_collections.ConfigDict):
   return HFTokenizer(c.model.tokenizer if os.path.isdir(c.model.tokenizer) else c.model.checkpoint)
 
 
-def build_model(c: ml_collections.ConfigDict, tokenizer) -> nnx.Module:
-  """A random tiny model sized by the config, or a pretrained checkpoint."""
+def build_mesh(c: ml_collections.ConfigDict):
+  """The device mesh of `config.mesh` (`data`, `fsdp`, `tensor`; -1 = the rest)."""
+  try:
+    return sharding.make_mesh(c.mesh.to_dict())
+  except ValueError as e:
+    raise ValueError(f"config.mesh={c.mesh.to_dict()}: {e}") from e
+
+
+def build_model(c: ml_collections.ConfigDict, tokenizer, mesh=None) -> nnx.Module:
+  """A random tiny model sized by the config, or a pretrained checkpoint, sharded on `mesh`."""
   if c.model.checkpoint:
-    model, _ = models.load_pretrained(c.model.checkpoint, dtype=c.model.compute_dtype)
+    model, _ = models.load_pretrained(c.model.checkpoint, dtype=c.model.compute_dtype,
+                                      mesh=mesh if mesh is not None and mesh.size > 1 else None)
     return model
   sdar = c.family == "sdar"
   cfg = models.preset(
@@ -48,6 +57,8 @@ def build_model(c: ml_collections.ConfigDict, tokenizer) -> nnx.Module:
       eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
       stop_token_ids=(tokenizer.eos_id,), block_size=c.model.block_size if sdar else None,
       compute_dtype=c.model.compute_dtype, remat=c.model.remat)
+  if mesh is not None and mesh.size > 1:
+    return sharding.create_model(cfg, c.seed, mesh)
   return models.create(cfg, seed=c.seed)
 
 
@@ -57,9 +68,19 @@ def make_optimizer(lr: float, warmup: int, total: int, o: ml_collections.ConfigD
   schedule = decay if not warmup else optax.join_schedules(
       [optax.linear_schedule(0.0, lr, warmup), decay], [warmup])
   inner = optax.chain(optax.clip_by_global_norm(o.grad_clip),
-                      optax.adamw(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay))
+                      optax.adamw(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay),
+                      _scale_by_lr_scale())
   # The parameters and moments stay as they were when a gradient is not finite.
   return optax.apply_if_finite(inner, max_consecutive_errors=1_000_000)
+
+
+def _scale_by_lr_scale() -> optax.GradientTransformationExtraArgs:
+  """Multiplies the updates by the `lr_scale` passed to `update` (default 1): a traced
+  learning-rate factor (the drift brake) that needs no recompile and no optimiser state."""
+  def update(updates, state, params=None, *, lr_scale=1.0, **extra_args):
+    del params, extra_args
+    return jax.tree.map(lambda u: u * jnp.asarray(lr_scale, u.dtype), updates), state
+  return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
 
 
 def sampling_settings(c: ml_collections.ConfigDict, temperature: float):
@@ -72,8 +93,11 @@ def sampling_settings(c: ml_collections.ConfigDict, temperature: float):
 
 
 def generate(model, prompt_ids, prompt_mask, key, sampling) -> samplers.Rollout:
+  """Rollouts for a batch of prompts, the batch split over the model's mesh (if any)."""
   fn = samplers.llada_generate if isinstance(sampling, samplers.LLaDASampling) else samplers.sdar_generate
-  return fn(model, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), key, sampling)
+  ids, mask = sharding.shard_batch((jnp.asarray(prompt_ids), jnp.asarray(prompt_mask)),
+                                   sharding.model_mesh(model))
+  return fn(model, ids, mask, key, sampling)
 
 
 def objective_settings(c: ml_collections.ConfigDict) -> rl.Objective:
@@ -83,7 +107,7 @@ def objective_settings(c: ml_collections.ConfigDict) -> rl.Objective:
       block_size=c.model.block_size if c.family == "sdar" else c.sampler.block_length,
       staircase=c.family == "sdar", coupling=c.rl.coupling, epsilon=c.rl.epsilon,
       max_ratio=c.rl.max_ratio or None, ppo_epsilon=c.rl.ppo_epsilon, kl_coef=c.rl.kl_coef,
-      spg_omega=c.rl.spg_omega, spg_beta=c.rl.spg_beta)
+      spg_omega=c.rl.spg_omega, spg_beta=c.rl.spg_beta, adversarial=c.rl.adversarial)
 
 
 def _all_finite(tree) -> jax.Array:
@@ -93,7 +117,17 @@ def _all_finite(tree) -> jax.Array:
 # ----------------------------------------------------------------------------- jitted steps
 
 
-@nnx.jit(static_argnames=("scheme", "staircase", "block_size"))
+def copy_module(module):
+  """A copy of `module` with its own buffers (`nnx.clone` shares them, and the steps donate theirs)."""
+  copy = nnx.clone(module)
+  nnx.update(copy, jax.tree.map(jnp.copy, nnx.state(copy)))
+  return copy
+
+
+# The steps donate the model and optimiser buffers: XLA updates them in place, so the old and the
+# new weights and moments never coexist (for 8B that is the difference between fitting or not).
+@nnx.jit(static_argnames=("scheme", "staircase", "block_size"),
+         donate_argnames=("model", "optimizer"))
 def sft_step(model, optimizer, seqs, key, *, scheme, staircase, block_size):
   def loss_fn(m):
     return rl.sft_loss(m, seqs, key, scheme=scheme, staircase=staircase, block_size=block_size)
@@ -103,31 +137,43 @@ def sft_step(model, optimizer, seqs, key, *, scheme, staircase, block_size):
 
 
 @nnx.jit(static_argnames=("obj",))
-def behaviour_pass(model, ref_model, seqs, key, obj: rl.Objective):
-  masks, logp_old = rl.behaviour_logp(model, seqs, key, obj)
+def behaviour_pass(model, ref_model, seqs, advantages_B, key, obj: rl.Objective):
+  """The behaviour policy's masks and log-probs (and the reference's, with a KL term) for a
+  rollout batch: `(RLBatch, token_entropy)`."""
+  masks, logp_old, adversarial, entropy = rl.behaviour_logp(model, seqs, key, obj)
   logp_ref = (rl.logp(ref_model, seqs, masks.noised_BxMxL, obj) if ref_model is not None
               else jnp.zeros_like(logp_old))
-  return masks, logp_old, jax.lax.stop_gradient(logp_ref)
+  batch = rl.RLBatch(seqs, advantages_B, masks.noised_BxMxL, masks.weight_BxMxL, logp_old,
+                     jax.lax.stop_gradient(logp_ref), adversarial)
+  return batch, entropy
 
 
-@nnx.jit(static_argnames=("obj", "accumulation"))
-def rl_step(model, optimizer, batch: rl.RLBatch, key, *, obj: rl.Objective, accumulation: int):
-  """One optimiser step over `accumulation` micro-batches of whole groups."""
-  def loss_fn(m, micro, k):
-    return rl.policy_loss(m, micro, k, obj)
-  grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
+@nnx.jit(static_argnames=("obj", "accumulation"), donate_argnames=("model", "optimizer"))
+def rl_step(model, optimizer, batch: rl.RLBatch, key, clip_epsilon=None, lr_scale=1.0, *,
+            obj: rl.Objective, accumulation: int):
+  """One optimiser step over `accumulation` micro-batches of whole groups.
+
+  `clip_epsilon` (None: the objective's own) and `lr_scale` are traced, so the controls can move
+  them every step without a recompile.
+  """
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss_fn(p, micro, k):
+    return rl.policy_loss(nnx.merge(graphdef, p, rest), micro, k, obj, clip_epsilon)
+
+  def micro_step(grads, xs):  # one micro-batch; lax.scan compiles it once for all of them
+    micro, k = xs
+    (loss, m), g = jax.value_and_grad(loss_fn, has_aux=True)(params, micro, k)
+    return jax.tree.map(jnp.add, grads, g), (loss, m)
+
   micro_batches = jax.tree.map(lambda x: x.reshape(accumulation, -1, *x.shape[1:]), batch)
-  grads, total_loss, all_metrics = None, 0.0, []
-  for a in range(accumulation):
-    micro = jax.tree.map(lambda x: x[a], micro_batches)
-    (loss, m), g = grad_fn(model, micro, jax.random.fold_in(key, a))
-    grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
-    total_loss += loss
-    all_metrics.append(m)
+  keys = jax.vmap(lambda a: jax.random.fold_in(key, a))(jnp.arange(accumulation))
+  grads, (losses_A, metrics_A) = jax.lax.scan(
+      micro_step, jax.tree.map(jnp.zeros_like, params), (micro_batches, keys))
   grads = jax.tree.map(lambda g: g / accumulation, grads)
-  optimizer.update(model, grads)
-  out = {k: jnp.mean(jnp.stack([m[k] for m in all_metrics])) for k in all_metrics[0]}
-  out.update(loss=total_loss / accumulation, grad_norm=optax.tree.norm(grads),
+  optimizer.update(model, grads, lr_scale=lr_scale)
+  out = {k: jnp.mean(v) for k, v in metrics_A.items()}
+  out.update(loss=jnp.mean(losses_A), grad_norm=optax.tree.norm(grads),
              skipped=~_all_finite(grads))
   return out
 
@@ -221,9 +267,10 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   try:
     config_lib.validate(c)
     os.makedirs(workdir, exist_ok=True)
+    mesh = build_mesh(c)
     tokenizer = build_tokenizer(c)
     data = build_data(c, tokenizer, workdir)
-    model = build_model(c, tokenizer)
+    model = build_model(c, tokenizer, mesh)
   except (ValueError, KeyError, OSError) as e:
     raise SetupError(str(e).strip("'\"") or repr(e)) from e
   sft_total, total = c.sft.steps, c.sft.steps + c.rl.steps
@@ -244,6 +291,10 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       block_diffusion=staircase):
     print(f"warning: {warning}", flush=True)
   monitor = controls.StabilityMonitor(controls.MonitorConfig(**c.stability.to_dict()))
+  step_controls = controls.StepControls(
+      controls.ControlConfig(**c.controls.to_dict()), total=c.rl.steps,
+      epsilon=c.rl.ppo_epsilon if c.rl.objective in ("grpo", "espo") else c.rl.epsilon)
+  controlled = c.controls.epsilon_schedule or c.controls.adaptive_epsilon or c.controls.drift
   ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), keep=c.checkpoint.keep)
   start = ckpt.latest_step()
   skipped_total = 0
@@ -258,6 +309,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     data.rl.set_state(meta["rl_iterator"])
     skipped_total = meta["skipped_updates"]
     monitor.load_state_dict(meta.get("monitor") or monitor.state_dict())
+    step_controls.load_state_dict(meta.get("controls") or {})
     step = start + 1
     print(f"resumed from {ckpt.directory} at step {start + 1}/{total}", flush=True)
   writer = metrics.MetricsWriter(workdir, total_steps=total, resume_step=start)
@@ -265,9 +317,11 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   ref_model = None
 
   def save(at: int, stage: str):
+    writer.flush()  # a checkpoint never gets ahead of the metrics a resumed run keeps
     ckpt.save(at, model, optimizer, {
         "stage": stage, "sft_iterator": data.sft.get_state(), "rl_iterator": data.rl.get_state(),
         "skipped_updates": skipped_total, "seed": c.seed, "monitor": monitor.state_dict(),
+        "controls": step_controls.state_dict(),
         "rng_key": np.asarray(jax.random.key_data(base_key)).tolist()})
 
   def log_eval(at: int, tag: str):
@@ -290,10 +344,14 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             jnp.asarray(batch["prompt_ids_BxL"]), jnp.asarray(batch["prompt_mask_BxL"]),
             jnp.asarray(completions), family=c.family, block_size=c.model.block_size,
             mask_id=model.config.mask_token_id)
+        seqs = sharding.shard_batch(seqs, sharding.model_mesh(model))
         out = sft_step(model, optimizer, seqs, key, scheme=c.sft.scheme, staircase=staircase,
                        block_size=sft_block)
         record = {k: float(v) for k, v in out.items()}
         tokens = int(completions.size)
+        rows, length = seqs.tokens_BxT.shape
+        step_flops = {"update": 3.0 * flops.forward_flops(model.config, rows,
+                                                          length * (2 if staircase else 1))}
         if step == sft_total - 1:  # the stage ends: RL starts with a fresh optimiser
           optimizer = new_optimizer("rl")
           next_stage = "rl"
@@ -307,8 +365,14 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
           if c.rl.kl_coef:  # frozen RL-start weights, kept only with a KL term
             ref_model = reference_model(model, os.path.join(workdir, "reference"),
                                         fresh=step == sft_total)
-        record = rl_iteration(c, data, model, ref_model, optimizer, key, obj, group)
+        eps, lr_scale = step_controls.settings(step - sft_total)
+        record = rl_iteration(c, data, model, ref_model, optimizer, key, obj, group,
+                              eps if controlled else None, lr_scale)
         tokens = record.pop("_tokens")
+        step_flops = record.pop("_flops")
+        step_controls.update(record)
+        if controlled:
+          record.update(epsilon=eps, lr_scale=lr_scale)
         events = monitor.update(step, record)
         if events:
           record["events"] = [e.name for e in events]
@@ -317,8 +381,9 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
           if monitor.should_stop(events):
             stopped = events[0]
       skipped_total += int(record.pop("skipped", 0))
+      wall = max(time.time() - t0, 1e-9)
       record.update(stage=stage, skipped_updates=skipped_total,
-                    tokens_per_s=tokens / max(time.time() - t0, 1e-9))
+                    **throughput(step_flops, tokens, wall))
       writer.write(step, record)
       if step % c.log_every == 0 or step == total - 1:
         writer.progress(step, stage, record)
@@ -334,6 +399,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
               "to resume", flush=True)
         return {"stopped": stopped._asdict(), "skipped_updates": skipped_total}
     final_tag = "after RL" if c.rl.steps else "after SFT"
+    writer.flush()
     done = [e for e in metrics.read_jsonl(writer.eval_path) if e["tag"] == final_tag]
     final = done[-1] if done else log_eval(total - 1, final_tag)  # a finished run is not redone
   finally:
@@ -353,7 +419,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
 def reference_model(model, path: str, *, fresh: bool) -> nnx.Module:
   """The KL reference: the weights at the start of RL, saved once there and reloaded on resume."""
-  ref = nnx.clone(model)
+  ref = copy_module(model)
   if fresh or not os.path.exists(path):
     if not fresh:
       print(f"warning: no KL reference at {path}; using the resumed weights", flush=True)
@@ -363,7 +429,8 @@ def reference_model(model, path: str, *, fresh: bool) -> nnx.Module:
   return ref
 
 
-def rl_iteration(c, data: Data, model, ref_model, optimizer, key, obj: rl.Objective, group: int):
+def rl_iteration(c, data: Data, model, ref_model, optimizer, key, obj: rl.Objective, group: int,
+                 clip_epsilon: float | None = None, lr_scale: float = 1.0):
   """Rollouts -> rewards -> advantages -> behaviour log-probs -> μ optimiser steps."""
   k_roll, k_mask, k_update = jax.random.split(key, 3)
   batch = next(data.rl)
@@ -373,15 +440,39 @@ def rl_iteration(c, data: Data, model, ref_model, optimizer, key, obj: rl.Object
   rollout = generate(model, ids, mask, k_roll, sampling_settings(c, c.sampler.temperature))
   rewards = score(data, rollout, examples, data.reward_fn)
   adv = losses.group_advantages(jnp.asarray(rewards), group_size=group, mode=c.rl.advantage)
-  seqs = likelihood.from_rollout(rollout)
-  masks, logp_old, logp_ref = behaviour_pass(model, ref_model, seqs, k_mask, obj)
-  rl_batch = rl.RLBatch(seqs, adv, masks.noised_BxMxL, masks.weight_BxMxL, logp_old, logp_ref)
-  outs = [rl_step(model, optimizer, rl_batch, jax.random.fold_in(k_update, u), obj=obj,
-                  accumulation=c.rl.accumulation) for u in range(c.rl.updates_per_batch)]
+  rl_batch, entropy = behaviour_pass(model, ref_model, likelihood.from_rollout(rollout), adv,
+                                     k_mask, obj)
+  eps = None if clip_epsilon is None else jnp.float32(clip_epsilon)
+  outs = [rl_step(model, optimizer, rl_batch, jax.random.fold_in(k_update, u), eps,
+                  jnp.float32(lr_scale), obj=obj, accumulation=c.rl.accumulation)
+          for u in range(c.rl.updates_per_batch)]
   record = {k: float(np.mean([float(o[k]) for o in outs])) for k in outs[0] if k != "skipped"}
   record["skipped"] = int(sum(int(o["skipped"]) for o in outs))
+  record["grad_norm_max"] = float(np.max([float(o["grad_norm"]) for o in outs]))  # nan if any is
+  record["token_entropy"] = float(entropy)
   record.update(diagnostics.to_floats(diagnostics.step_diagnostics(
       rewards_B=jnp.asarray(rewards), group_size=group, mask_BxL=rollout.completion_mask_BxG,
       tokens_BxL=rollout.completion_BxG)))
   record["_tokens"] = int(np.sum(np.asarray(rollout.lengths_B)))
+  seqs = rl_batch.seqs
+  record["_flops"] = flops.rl_step_flops(model.config, flops.StepShape(
+      rows=seqs.tokens_BxT.shape[0], prompt=ids.shape[1], gen=c.sampler.gen_length,
+      total=seqs.tokens_BxT.shape[1], samples=obj.num_samples, updates=c.rl.updates_per_batch,
+      sampler_steps=c.sampler.steps, block=obj.block_size, staircase=obj.staircase,
+      reference=ref_model is not None))
   return record
+
+
+def throughput(step_flops: dict[str, float], tokens: int, wall: float) -> dict[str, float]:
+  """Tokens/s (in all and per device), the analytic FLOPs of each phase (`flops_<phase>`), the
+  achieved TFLOP/s per device over the step's wall time, and MFU against the device's bf16 peak
+  where it is known (not on CPU)."""
+  n = jax.device_count()
+  total = sum(step_flops.values())
+  out = {"tokens_per_s": tokens / wall, "tokens_per_s_per_device": tokens / wall / n,
+         **{f"flops_{k}": v for k, v in step_flops.items()},
+         "tflops_per_s_per_device": total / wall / n / 1e12}
+  peak = flops.peak_flops(jax.devices()[0].device_kind)
+  if peak:
+    out["mfu"] = total / wall / n / peak
+  return out

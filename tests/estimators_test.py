@@ -181,3 +181,26 @@ def test_estimators_jit_vmap_and_sharded_batch(scheme):
   rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
   sharded = jax.jit(f)(key, *(jax.device_put(x, rows) for x in (completion, counted, prompt)))
   np.testing.assert_array_equal(sharded.noised_BxMxL, eager.noised_BxMxL)
+
+
+def test_adversarial_masks_easy_at_the_end_hard_everywhere():
+  lengths = [8, 3, 20]
+  completion, counted, _ = _rows(lengths, total=26, prompt_len=4)
+  rows, easy, hard = estimators.adversarial_masks(jax.random.key(0), completion, counted,
+                                                  num_samples=2, fraction=0.7, easy_fraction=0.1)
+  assert easy.noised_BxMxL.shape == hard.weight_BxMxL.shape == (3, 2, 26)
+  for b, n in enumerate(lengths):
+    k = max(1, int(np.ceil(0.1 * n)))
+    want_easy = np.zeros(26, bool)
+    want_easy[4 + n - k:4 + n] = True  # the last k counted tokens
+    for m in range(2):
+      np.testing.assert_array_equal(easy.noised_BxMxL[b, m], want_easy)
+      np.testing.assert_allclose(easy.weight_BxMxL[b, m], np.where(want_easy, n / k, 0.0))
+      np.testing.assert_array_equal(hard.noised_BxMxL[b, m], np.asarray(completion[b]))
+      np.testing.assert_allclose(hard.weight_BxMxL[b, m], np.asarray(counted[b], np.float32))
+  # The chosen rows are a Bernoulli(fraction) draw.
+  many = estimators.adversarial_masks(jax.random.key(1), jnp.ones((4000, 4), bool),
+                                      num_samples=1, fraction=0.7)[0]
+  assert abs(float(jnp.mean(many)) - 0.7) < 0.03
+  with pytest.raises(ValueError, match="fraction"):
+    estimators.adversarial_masks(jax.random.key(0), completion, counted, num_samples=1, fraction=1.5)

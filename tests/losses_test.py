@@ -124,6 +124,37 @@ def test_clip_bounds():
   assert losses.clip_bounds(0.2, max_ratio=5.0) == (-math.inf, math.log(5.0))
 
 
+@pytest.mark.parametrize("eps", [0.0, 0.2, 1.0, 5.0])
+def test_traced_epsilon_gives_the_same_loss_as_a_python_one(eps):
+  rng = np.random.default_rng(3)
+  lr, adv, sur = (jnp.asarray(rng.normal(size=8) * s, jnp.float32) for s in (2.0, 1.0, 3.0))
+  static = losses.snis_clip_loss(lr, adv, sur, group_size=4, epsilon=eps)
+  traced = jax.jit(lambda e: losses.snis_clip_loss(lr, adv, sur, group_size=4, epsilon=e))(
+      jnp.float32(eps))
+  np.testing.assert_allclose(traced[0], static[0], rtol=1e-6)
+  np.testing.assert_allclose(traced[1]["clip_fraction"], static[1]["clip_fraction"])
+
+
+def test_importance_weighted_loss_matches_numpy_and_grows_with_the_ratio():
+  rng = np.random.default_rng(4)
+  lr = rng.normal(size=8) * 2
+  adv, sur = rng.normal(size=8), rng.normal(size=8)
+  valid = np.array([1, 1, 1, 0, 1, 1, 1, 1], bool)
+  groups = []
+  for g in range(2):
+    idx = [i for i in range(4 * g, 4 * g + 4) if valid[i]]
+    groups.append(sum(math.exp(lr[i]) / len(idx) * adv[i] * sur[i] for i in idx))
+  loss, m = losses.importance_weighted_loss(jnp.asarray(lr), jnp.asarray(adv), jnp.asarray(sur),
+                                            group_size=4, valid=jnp.asarray(valid))
+  np.testing.assert_allclose(loss, -np.mean(groups), rtol=1e-5)
+  np.testing.assert_allclose(m["log10_ratio_max"], lr[valid].max() / math.log(10), rtol=1e-5)
+  # d loss / d surrogate_j = -ρ_j A_j / (G · groups): linear in ρ, no bound.
+  g = jax.grad(lambda s: losses.importance_weighted_loss(
+      jnp.asarray(lr), jnp.asarray(adv), s, group_size=4, valid=jnp.asarray(valid))[0])(jnp.asarray(sur))
+  expected = np.where(valid, -np.exp(lr) * adv / np.where(np.arange(8) < 4, 3, 4) / 2, 0.0)
+  np.testing.assert_allclose(g, expected, rtol=1e-5)
+
+
 # ----------------------------------------------------------------------------- the core claim
 
 

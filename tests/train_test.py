@@ -18,7 +18,7 @@ from stabledrl_jax import config_lib, likelihood, models, rl, train
 from stabledrl_jax.tasks import sudoku
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-TIMING = {"tokens_per_s"}
+TIMING = {"tokens_per_s", "tokens_per_s_per_device", "tflops_per_s_per_device", "mfu"}  # wall-clock dependent
 REQUIRED = {"step", "loss", "grad_norm", "tokens_per_s", "skipped_updates"}
 RL_REQUIRED = REQUIRED | {"reward_mean", "clip_fraction", "ess", "log10_ratio_max"}
 
@@ -117,15 +117,15 @@ def _tiny_rl_setup():
   completion = jnp.broadcast_to(jnp.arange(12) >= 4, (4, 12))
   seqs = likelihood.Sequences(tokens, jnp.broadcast_to(jnp.arange(12), (4, 12)), jnp.ones((4, 12), bool),
                               ~completion, completion, completion)
-  masks, logp_old, logp_ref = train.behaviour_pass(model, None, seqs, jax.random.key(1), obj)
-  return model, opt, obj, seqs, masks, logp_old, logp_ref
+  batch, _ = train.behaviour_pass(model, None, seqs, jnp.zeros(4), jax.random.key(1), obj)
+  return model, opt, obj, batch
 
 
 def test_nan_gradient_skips_the_update_and_is_counted():
-  model, opt, obj, seqs, masks, logp_old, logp_ref = _tiny_rl_setup()
+  model, opt, obj, batch = _tiny_rl_setup()
   before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   adv = jnp.array([1.0, -1.0, jnp.nan, 0.5])  # a NaN advantage poisons the gradient
-  batch = rl.RLBatch(seqs, adv, masks.noised_BxMxL, masks.weight_BxMxL, logp_old, logp_ref)
+  batch = batch._replace(advantages_B=adv)
   out = train.rl_step(model, opt, batch, jax.random.key(2), obj=obj, accumulation=1)
   assert bool(out["skipped"]) and not np.isfinite(float(out["grad_norm"]))
   after = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
@@ -140,14 +140,59 @@ def test_nan_gradient_skips_the_update_and_is_counted():
 
 
 def test_coupled_masks_give_unit_ratios_on_the_first_update():
-  model, opt, obj, seqs, masks, logp_old, logp_ref = _tiny_rl_setup()
-  batch = rl.RLBatch(seqs, jnp.array([1.0, -1.0, 0.5, -0.5]), masks.noised_BxMxL, masks.weight_BxMxL,
-                     logp_old, logp_ref)
+  model, opt, obj, batch = _tiny_rl_setup()
+  batch = batch._replace(advantages_B=jnp.array([1.0, -1.0, 0.5, -0.5]))
   out = train.rl_step(model, opt, batch, jax.random.key(2), obj=obj, accumulation=1)
   assert float(out["log10_ratio_max"]) == 0.0 and float(out["ess"]) == pytest.approx(2.0)
+  assert float(out["clipped_token_fraction"]) == 0.0
   assert abs(float(out["kl_k1"])) < 1e-6 and abs(float(out["kl_k3"])) < 1e-6  # π_θ = π_old
   out = train.rl_step(model, opt, batch, jax.random.key(3), obj=obj, accumulation=1)
   assert float(out["kl_k3"]) > 0  # the first update moved the policy
+
+
+def _params(model):
+  return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+def test_traced_epsilon_and_lr_scale():
+  model, opt, obj, batch = _tiny_rl_setup()
+  batch = batch._replace(advantages_B=jnp.array([1.0, -1.0, 0.5, -0.5]))
+  train.rl_step(model, opt, batch, jax.random.key(2), obj=obj, accumulation=1)  # ratios leave 1
+  # A traced ε gives what the same ε as a static setting gives.
+  static = rl.Objective(**{**obj.__dict__, "epsilon": 0.0})
+  for o, eps in ((static, None), (obj, jnp.float32(0.0))):
+    m, s = train.copy_module(model), train.copy_module(opt)
+    out = train.rl_step(m, s, batch, jax.random.key(3), eps, obj=o, accumulation=1)
+    assert float(out["clip_fraction"]) == 1.0 and float(out["clipped_token_fraction"]) == 1.0
+    if eps is None:
+      want = _params(m)
+    else:
+      jax.tree.map(np.testing.assert_array_equal, want, _params(m))
+  # lr_scale multiplies the applied step (and 0 leaves the parameters as they were).
+  start = _params(model)
+  deltas = {}
+  for scale in (1.0, 0.5, 0.0):
+    m, s = train.copy_module(model), train.copy_module(opt)
+    train.rl_step(m, s, batch, jax.random.key(3), None, jnp.float32(scale), obj=obj, accumulation=1)
+    deltas[scale] = jax.tree.map(lambda a, b: b - a, start, _params(m))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, 0.5 * b, atol=1e-7), deltas[0.5], deltas[1.0])
+  jax.tree.map(lambda a: np.testing.assert_array_equal(a, 0.0), deltas[0.0])
+  assert any(np.any(d != 0) for d in jax.tree.leaves(deltas[1.0]))
+
+
+@pytest.mark.slow
+def test_controls_and_adversarial_mode_run_through_main(tmp_path):
+  out = run_main("configs/sdar.py:smoke", tmp_path, "--config.controls.adaptive_epsilon=True",
+                 "--config.controls.adaptive_every=2", "--config.controls.drift=True",
+                 "--config.controls.drift_threshold=0.0", "--config.rl.adversarial=0.7",
+                 "--config.rl.epsilon=0.5")
+  assert out.returncode == 0, out.stderr[-3000:]
+  rl_rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["stage"] == "rl"]
+  assert len(rl_rows) == 6
+  assert rl_rows[0]["epsilon"] == 0.5 and len({r["epsilon"] for r in rl_rows}) > 1
+  assert all(0 < r["lr_scale"] <= 1 for r in rl_rows) and rl_rows[-1]["lr_scale"] < 1
+  assert max(r["log10_ratio_max"] for r in rl_rows) > 1  # coupled masks alone stay near 0
+  assert all(r["token_entropy"] > 0 for r in rl_rows)
 
 
 @pytest.mark.slow
@@ -207,6 +252,20 @@ def test_validate_names_bad_values():
     config_lib.validate(c)
   with pytest.raises(ValueError, match="bogus"):
     config_lib.apply_preset(config_lib.base_config("llada"), "bogus")
+  for edits, named in (({"rl.adversarial": 1.5}, "rl.adversarial"),
+                       ({"controls.drift": True, "rl.objective": "wd1"}, "controls.drift"),
+                       ({"controls.adaptive_epsilon": True, "rl.max_ratio": 5.0},
+                        "controls.adaptive_epsilon"),
+                       ({"controls.adaptive_epsilon": True, "controls.epsilon_schedule": True},
+                        "controls.adaptive_epsilon"),
+                       ({"controls.clip_low": 0.2}, "controls.clip_high"),
+                       ({"controls.drift_metric": "kl"}, "controls.drift_metric")):
+    c = config_lib.base_config("sdar")
+    for key, value in edits.items():
+      section, name = key.split(".")
+      c[section][name] = value
+    with pytest.raises(ValueError, match=f"config.{named}="):
+      config_lib.validate(c)
 
 
 def test_sft_puzzles_can_be_easier_than_rl_and_evaluation_puzzles(tmp_path):

@@ -198,6 +198,18 @@ def test_remat_gives_the_same_gradients():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
+def test_remat_models_sample_like_plain_ones():
+  # The 8B presets remat; their samplers run the model inside lax loops.
+  from stabledrl_jax import samplers
+  prompt, valid = _ids(7, (2, 6)), jnp.ones((2, 6), bool)
+  for sampling, gen in ((samplers.SDARSampling(gen_length=8, steps=2), samplers.sdar_generate),
+                        (samplers.LLaDASampling(gen_length=8, block_length=4, steps=4),
+                         samplers.llada_generate)):
+    outs = [gen(models.create(models.tiny(remat=r), seed=3), prompt, valid, jax.random.key(0),
+                sampling).tokens_BxT for r in (False, True)]
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
 def test_presets_have_published_shapes():
   llada, sdar8 = models.llada_8b(), models.sdar_8b()
   assert (llada.n_layers, llada.d_model, llada.mlp_dim, llada.n_heads, llada.n_kv_heads) == (

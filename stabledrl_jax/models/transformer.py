@@ -110,7 +110,17 @@ def _run_block(block: Block, x, cos, sin, mask, past_kv):
   return block(x, cos, sin, mask, past_kv)
 
 
-_run_block_remat = nnx.remat(_run_block)
+def _run_block_remat(block: Block, x, cos, sin, mask, past_kv):
+  """`_run_block` under `jax.checkpoint` (activations recomputed in the backward pass). The block
+  goes in as a pure state, so this also works inside `lax` loops (the samplers), where
+  `nnx.remat` cannot update the module from another trace level."""
+  graphdef, state = nnx.split(block)
+
+  @jax.checkpoint
+  def run(state, x, cos, sin, mask, past_kv):
+    return nnx.merge(graphdef, state)(x, cos, sin, mask, past_kv)
+
+  return run(state, x, cos, sin, mask, past_kv)
 
 
 @flax.struct.dataclass
@@ -171,11 +181,18 @@ class Transformer(nnx.Module):
                          preferred_element_type=jnp.float32)
     return logits_MxV.reshape(b, t, -1)
 
+  def head_logits(self, h_BxTxD: jax.Array) -> jax.Array:
+    """float32 logits of final-normed hidden states (`logits(..., head=False)`)."""
+    return self._head(h_BxTxD)
+
   def logits(self, input_ids_BxL: jax.Array, *, attention: str = "full",
-             block_size: int | None = None, positions=None, valid_BxL=None) -> jax.Array:
+             block_size: int | None = None, positions=None, valid_BxL=None,
+             head: bool = True) -> jax.Array:
     """Plain forward: `attention="full"` (bidirectional, LLaDA) or `"block_causal"` (SDAR).
 
     `positions` ([L] or [B, L]) default to 0..L-1; `valid_BxL` marks real (non-padding) keys.
+    `head=False` returns the final-normed hidden states `[B, L, D]` instead (`head_logits` maps
+    them to logits, e.g. a chunk at a time).
     """
     b, l = input_ids_BxL.shape
     positions_BxL = _positions(positions, b, l)
@@ -189,14 +206,15 @@ class Transformer(nnx.Module):
     else:
       raise ValueError(f"unknown attention {attention!r}; expected 'full' or 'block_causal'")
     h_BxLxD, _ = self._trunk(input_ids_BxL, positions_BxL, mask)
-    return self._head(h_BxLxD)
+    return self._head(h_BxLxD) if head else h_BxLxD
 
   def staircase_logits(self, noisy_ids_BxN: jax.Array, clean_ids_BxN: jax.Array, *,
                        block_size: int | None = None, positions=None,
-                       valid_BxN=None) -> jax.Array:
+                       valid_BxN=None, head: bool = True) -> jax.Array:
     """Logits [B, N, V] of the noisy stream, each block conditioned on its clean prefix only.
 
     One forward over `[x_t ; x_0]` (length 2N, shared positions) replaces one forward per block.
+    `head=False` returns the noisy stream's hidden states `[B, N, D]` instead.
     """
     block_size = block_size or self.config.block_size
     if block_size is None:
@@ -207,7 +225,7 @@ class Transformer(nnx.Module):
     ids_Bx2N = jnp.concatenate([noisy_ids_BxN, clean_ids_BxN], axis=1)
     positions_Bx2N = jnp.concatenate([positions_BxN, positions_BxN], axis=1)
     h_Bx2NxD, _ = self._trunk(ids_Bx2N, positions_Bx2N, mask)
-    return self._head(h_Bx2NxD[:, :n])
+    return self._head(h_Bx2NxD[:, :n]) if head else h_Bx2NxD[:, :n]
 
   def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
     """An empty cache of `max_len` slots (dtype defaults to the compute dtype)."""

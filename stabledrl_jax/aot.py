@@ -1,0 +1,224 @@
+"""Ahead-of-time fit check on a CPU host: does a config's RL step fit a TPU topology?
+
+  python -m stabledrl_jax.aot --config=configs/sdar.py:8b --topology=v5p:4x4x4
+
+Compiles, for the topology's chips and the config's mesh, the full RL train step (`train.rl_step`:
+`μ`-step gradient with accumulation and the optimiser update) and the sampler (one `generate` call
+for a rollout batch), with abstract, sharded parameters: no weights are read and no TPU is needed,
+only `libtpu` (`pip install "jax[tpu]"`). Prints per-chip memory (arguments, outputs, temporaries,
+total against the chip's HBM) and XLA's cost estimate, and exits 1 when either program does not fit.
+`--topology=cpu:N` compiles for N local CPU devices instead (for tests; HBM from `--hbm_gib`).
+
+The model shapes come from `model.checkpoint`'s config.json when that directory exists, else (a
+path not on this host, as in the `8b` presets) from the family's 8B preset (`models.llada_8b` /
+`models.sdar_8b`), else from the config's own tiny model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+from flax import nnx
+from ml_collections import config_flags
+
+from stabledrl_jax import likelihood, models, rl, samplers, sharding, train
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/sdar.py:8b", "Training config file.",
+                                          lock_config=True)
+_TOPOLOGY = flags.DEFINE_string("topology", "v5p:2x2x1", "TPU topology (e.g. v5p:4x4x4, "
+                                "v6e:4x4) or cpu:N for N local CPU devices.")
+_HBM_GIB = flags.DEFINE_float("hbm_gib", None, "Per-chip memory in GiB (default: by chip kind).")
+
+# Per-chip HBM in GiB by device kind (public TPU specifications).
+HBM_GIB = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5e": 16, "TPU v5": 95, "TPU v5p": 95,
+           "TPU v6 lite": 32, "TPU v6e": 32, "TPU7x": 192}
+GIB = 2**30
+
+
+def topology_devices(name: str) -> list:
+  """The devices of a TPU topology name libtpu knows, or `cpu:N` local CPU devices."""
+  if name.startswith("cpu:"):
+    n = int(name.split(":")[1])
+    devices = jax.devices("cpu")
+    if len(devices) < n:
+      raise ValueError(f"--topology={name}: only {len(devices)} CPU devices (set XLA_FLAGS="
+                       f"--xla_force_host_platform_device_count={n})")
+    return devices[:n]
+  from jax.experimental import topologies
+  try:
+    return list(topologies.get_topology_desc(name, "tpu").devices)
+  except Exception as e:  # libtpu missing or a name it does not know
+    raise ValueError(f"--topology={name}: {e}") from e
+
+
+def model_config(c) -> models.ModelConfig:
+  if c.model.checkpoint and os.path.isdir(c.model.checkpoint):
+    cfg = models.config_from_hf(models.checkpoint.read_hf_config(c.model.checkpoint),
+                                compute_dtype=c.model.compute_dtype)
+    return models.replace(cfg, remat=c.model.remat)
+  if c.model.checkpoint:  # the 8b presets, with a checkpoint path that is not on this host
+    make = models.llada_8b if c.family == "llada" else models.sdar_8b
+    return make(compute_dtype=c.model.compute_dtype, remat=c.model.remat)
+  return nnx.eval_shape(lambda: train.build_model(c, train.build_tokenizer(c))).config
+
+
+def abstract_model(cfg: models.ModelConfig, mesh) -> nnx.Module:
+  """The model with `ShapeDtypeStruct` parameters carrying their shardings on `mesh`."""
+  model = nnx.eval_shape(lambda: models.create(cfg, 0))
+  shardings = sharding.param_shardings(model, mesh)
+  state = nnx.state(model, nnx.Param)
+  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          nnx.to_pure_dict(state), shardings)
+  nnx.replace_by_pure_dict(state, abstract)
+  nnx.update(model, state)
+  return model
+
+
+def abstract_optimizer(model: nnx.Module, tx, mesh) -> nnx.Optimizer:
+  """The optimiser state, abstract: moments sharded like their parameters, the rest replicated."""
+  opt = nnx.eval_shape(lambda: nnx.Optimizer(model, tx, wrt=nnx.Param))
+  by_path = {}
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    by_path[sharding.path_keys(path)] = leaf
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+  def place(path, x):
+    keys = sharding.path_keys(path)
+    for i in range(len(keys)):
+      p = by_path.get(keys[i:])
+      if p is not None and p.shape == x.shape:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.sharding)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
+
+  state = nnx.state(opt)
+  nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(place, nnx.to_pure_dict(state)))
+  nnx.update(opt, state)
+  return opt
+
+
+def _batched(shape, dtype, mesh):
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(mesh, len(shape), shape[0]))
+
+
+def rl_batch_shapes(c, cfg: models.ModelConfig, mesh) -> rl.RLBatch:
+  """An abstract rollout batch of the config's sizes (prompt + completion layout of the family)."""
+  b = c.rl.prompts_per_step * c.rl.group_size
+  p, g, m = c.task.max_prompt_len, c.sampler.gen_length, c.rl.num_samples
+  seqs = jax.eval_shape(
+      lambda pr, pv, co: likelihood.teacher_forced(pr, pv, co, family=cfg.family,
+                                                   block_size=cfg.block_size,
+                                                   mask_id=cfg.mask_token_id),
+      jax.ShapeDtypeStruct((b, p), jnp.int32), jax.ShapeDtypeStruct((b, p), bool),
+      jax.ShapeDtypeStruct((b, g), jnp.int32))
+  seqs = jax.tree.map(lambda x: _batched(x.shape, x.dtype, mesh), seqs)
+  t = seqs.tokens_BxT.shape[1]
+  return rl.RLBatch(seqs, _batched((b,), jnp.float32, mesh), _batched((b, m, t), bool, mesh),
+                    *(_batched((b, m, t), jnp.float32, mesh) for _ in range(3)))
+
+
+def memory(compiled) -> dict[str, int]:
+  m = compiled.memory_analysis()
+  out = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
+         "aliased": m.alias_size_in_bytes, "temporaries": m.temp_size_in_bytes,
+         "code": m.generated_code_size_in_bytes}
+  out["total"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temporaries"]
+  return out
+
+
+def cost(compiled) -> dict[str, float]:
+  ca = compiled.cost_analysis()
+  if isinstance(ca, (list, tuple)):
+    ca = ca[0] if ca else {}
+  return {k: float(ca[k]) for k in ("flops", "bytes accessed") if k in (ca or {})}
+
+
+def check(c, devices: list, hbm_gib: float | None = None) -> dict[str, Any]:
+  """Compile the RL train step and the sampler for `devices`; per-chip memory and costs."""
+  mesh = sharding.make_mesh(c.mesh.to_dict(), devices)
+  cfg = model_config(c)
+  kind = devices[0].device_kind
+  hbm = hbm_gib if hbm_gib is not None else next(
+      (v for k, v in sorted(HBM_GIB.items(), key=lambda kv: -len(kv[0])) if kind.startswith(k)), None)
+  model = abstract_model(cfg, mesh)
+  obj = dataclasses.replace(train.objective_settings(c), block_size=(
+      cfg.block_size if c.family == "sdar" else c.sampler.block_length))
+  tx = train.make_optimizer(c.rl.lr, c.rl.warmup_steps, c.rl.steps * c.rl.updates_per_batch, c.optim)
+  opt = abstract_optimizer(model, tx, mesh)
+  batch = rl_batch_shapes(c, cfg, mesh)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=replicated)
+  results = {"device_kind": kind, "chips": len(devices), "mesh": dict(mesh.shape),
+             "hbm_gib": hbm, "params": cfg.num_params}
+  results["rl_step"] = _compile(lambda: train.rl_step.lower(
+      model, opt, batch, key, obj=obj, accumulation=c.rl.accumulation))
+
+  b = c.rl.prompts_per_step * c.rl.group_size
+  sampling = train.sampling_settings(c, c.sampler.temperature)
+  if isinstance(sampling, samplers.SDARSampling):
+    sampling = dataclasses.replace(sampling, block_size=cfg.block_size)
+  gen = samplers.llada_generate if c.family == "llada" else samplers.sdar_generate
+  prompts = _batched((b, c.task.max_prompt_len), jnp.int32, mesh)
+  valid = _batched((b, c.task.max_prompt_len), bool, mesh)
+  results["sampler"] = _compile(lambda: jax.jit(gen, static_argnums=(4,)).lower(
+      model, prompts, valid, key, sampling))
+  results["fits"] = all("error" not in results[k] and (hbm is None or results[k]["total"] <= hbm * GIB)
+                        for k in ("rl_step", "sampler"))
+  return results
+
+
+def _compile(lower) -> dict[str, Any]:
+  """Memory and cost of the compiled program, or `{"error": ...}` when the compiler itself
+  finds that it cannot fit (TPU compiles fail with RESOURCE_EXHAUSTED)."""
+  try:
+    compiled = lower().compile()
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    return {"error": str(e).strip().splitlines()[0]}
+  return {**memory(compiled), **cost(compiled)}
+
+
+def _size(n: float) -> str:
+  return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
+
+
+def report(r: dict[str, Any]) -> str:
+  hbm = f"{r['hbm_gib']:g} GiB" if r["hbm_gib"] else "unknown"
+  params = f"{r['params'] / 1e9:.2f}B" if r["params"] >= 1e8 else f"{r['params'] / 1e6:.2f}M"
+  lines = [f"{r['chips']} x {r['device_kind']}, mesh {r['mesh']}, {params} parameters, "
+           f"HBM per chip {hbm}",
+           "| program | arguments | outputs | temporaries | total per chip | fits | TFLOPs (XLA) |",
+           "|---|---|---|---|---|---|---|"]
+  for name in ("rl_step", "sampler"):
+    m = r[name]
+    if "error" in m:
+      lines.append(f"| {name} | — | — | — | — | NO | {m['error']} |")
+      continue
+    fits = "—" if not r["hbm_gib"] else ("yes" if m["total"] <= r["hbm_gib"] * GIB else "NO")
+    flops = f"{m['flops'] / 1e12:.3g}" if "flops" in m else "—"
+    lines.append(f"| {name} | {_size(m['arguments'])} | {_size(m['outputs'])} | "
+                 f"{_size(m['temporaries'])} | {_size(m['total'])} | {fits} | {flops} |")
+  return "\n".join(lines)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  try:
+    devices = topology_devices(_TOPOLOGY.value)
+    result = check(_CONFIG.value, devices, _HBM_GIB.value)
+  except ValueError as e:
+    sys.exit(f"error: {e}")
+  print(report(result), flush=True)
+  if not result["fits"]:
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  app.run(main)

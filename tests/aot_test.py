@@ -1,0 +1,38 @@
+"""Tests for stabledrl_jax.aot on the 8 fake CPU devices (TPU topologies need libtpu)."""
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from stabledrl_jax import aot, config_lib
+
+
+def _smoke(**mesh):
+  c = config_lib.base_config("sdar")
+  config_lib.apply_preset(c, "smoke")
+  for axis, size in mesh.items():
+    c.mesh[axis] = size
+  return c
+
+
+@pytest.mark.slow
+def test_memory_reflects_parameter_sharding():
+  devices = jax.devices("cpu")[:8]
+  replicated = aot.check(_smoke(), devices, hbm_gib=1.0)  # data=8: every chip holds everything
+  n = replicated["params"]
+  # Parameters and Adam's two moments in float32 on every chip, plus the batch.
+  assert replicated["rl_step"]["arguments"] >= 3 * 4 * n
+  sharded = aot.check(_smoke(data=1, fsdp=8), devices, hbm_gib=1.0)
+  assert sharded["rl_step"]["arguments"] < replicated["rl_step"]["arguments"] - 4 * n
+  assert replicated["fits"] and replicated["sampler"]["total"] > 0
+  assert "| rl_step |" in aot.report(replicated)
+  tiny_hbm = aot.check(_smoke(), devices, hbm_gib=1e-4)
+  assert not tiny_hbm["fits"]
+
+
+def test_unknown_topology_is_a_one_line_error():
+  out = subprocess.run([sys.executable, "-m", "stabledrl_jax.aot", "--config=configs/sdar.py:smoke",
+                        "--topology=cpu:64"], capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1
+  assert out.stderr.strip().splitlines()[-1].startswith("error: --topology=cpu:64")

@@ -1,0 +1,55 @@
+"""Tests for stabledrl_jax.metrics: the asynchronous writer."""
+import threading
+import time
+
+import pytest
+
+from stabledrl_jax import metrics
+
+
+def test_records_arrive_in_order_after_flush(tmp_path):
+  w = metrics.MetricsWriter(str(tmp_path), total_steps=50, resume_step=None)
+  for s in range(50):
+    w.write(s, {"loss": 1.0 / (s + 1), "bad": float("nan")})
+  w.write(3, {"accuracy": 0.5}, eval_record=True)
+  w.flush()
+  rows = metrics.read_jsonl(w.path)
+  assert [r["step"] for r in rows] == list(range(50))
+  assert rows[9]["loss"] == pytest.approx(0.1) and rows[0]["bad"] == "nan"
+  assert metrics.read_jsonl(w.eval_path) == [{"step": 3, "accuracy": 0.5}]
+  w.close()
+
+
+def test_write_does_not_wait_for_the_disk(tmp_path, monkeypatch):
+  w = metrics.MetricsWriter(str(tmp_path), total_steps=5, resume_step=None)
+  release = threading.Event()
+  slow = w._write_now
+  monkeypatch.setattr(w, "_write_now", lambda *a: (release.wait(10), slow(*a)))
+  t0 = time.time()
+  for s in range(5):
+    w.write(s, {"loss": 0.0})
+  assert time.time() - t0 < 1.0 and metrics.read_jsonl(w.path) == []  # queued, not written
+  release.set()
+  w.flush()
+  assert len(metrics.read_jsonl(w.path)) == 5
+  w.close()
+
+
+def test_a_failed_write_surfaces_on_the_next_call(tmp_path):
+  w = metrics.MetricsWriter(str(tmp_path), total_steps=5, resume_step=None)
+  w.write(0, {"obj": object()})  # not JSON-able
+  with pytest.raises(RuntimeError, match="metrics.jsonl"):
+    w.flush()
+  with pytest.raises(RuntimeError, match="TypeError"):
+    w.write(1, {"loss": 1.0})
+  w.close()
+
+
+def test_resume_truncates_records_after_the_checkpoint(tmp_path):
+  w = metrics.MetricsWriter(str(tmp_path), total_steps=10, resume_step=None)
+  for s in range(6):
+    w.write(s, {"loss": float(s)})
+  w.close()
+  w = metrics.MetricsWriter(str(tmp_path), total_steps=10, resume_step=3)
+  assert [r["step"] for r in metrics.read_jsonl(w.path)] == [0, 1, 2, 3]
+  w.close()

@@ -1,0 +1,77 @@
+"""Tests for stabledrl_jax.sharding on the 8 fake CPU devices of conftest: meshes, parameter
+placement, and one RL training step (behaviour pass, then the update) that gives the same numbers
+on every mesh as on one device."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from stabledrl_jax import config_lib, likelihood, models, rl, sharding, train
+
+
+def test_mesh_shape_resolves_minus_one_and_names_bad_axes():
+  assert sharding.mesh_shape({"data": -1, "tensor": 2}, 8) == {"data": 4, "fsdp": 1, "tensor": 2}
+  assert sharding.mesh_shape({"fsdp": 8}, 8) == {"data": 1, "fsdp": 8, "tensor": 1}
+  for sizes, named in (({"data": -1, "fsdp": -1}, "all -1"), ({"data": 3}, "3 devices"),
+                       ({"data": -1, "tensor": 3}, "mesh.data=-1"), ({"pipeline": 2}, "pipeline"),
+                       ({"tensor": 0}, "mesh.tensor=0")):
+    with pytest.raises(ValueError, match=named):
+      sharding.mesh_shape(sizes, 8)
+
+
+def test_parameters_are_created_sharded_by_their_logical_axes():
+  mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2})
+  cfg = models.tiny()
+  model = sharding.create_model(cfg, 0, mesh)
+  q = model.blocks[0].attn.q_proj.kernel.get_value()  # (embed, heads) -> (fsdp, tensor)
+  assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+  assert q.addressable_shards[0].data.shape == (q.shape[0] // 4, q.shape[1] // 2)
+  eager = models.create(cfg, 0)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
+               nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+               nnx.to_pure_dict(nnx.state(eager, nnx.Param)))
+  assert sharding.model_mesh(model) is mesh and sharding.model_mesh(eager) is None
+
+
+def _tiny_setup():
+  c = config_lib.base_config("sdar")  # the tiny preset's model
+  tok = train.build_tokenizer(c)
+  model = train.build_model(c, tok)  # one device
+  rng = np.random.default_rng(0)
+  b, p, g = 16, 8, c.sampler.gen_length
+  prompts = jnp.asarray(rng.integers(5, tok.vocab_size, size=(b, p)), jnp.int32)
+  completions = jnp.asarray(rng.integers(5, tok.vocab_size, size=(b, g)), jnp.int32)
+  seqs = likelihood.teacher_forced(prompts, jnp.ones((b, p), bool), completions, family="sdar",
+                                   block_size=c.model.block_size, mask_id=tok.mask_id)
+  adv = jnp.asarray(rng.normal(size=b), jnp.float32)
+  return c, model, seqs, adv
+
+
+def _one_step(c, model, seqs, adv, mesh):
+  model = train.copy_module(model)
+  if mesh is not None:
+    sharding.shard_model(model, mesh)
+    seqs, adv = sharding.shard_batch((seqs, adv), mesh)
+  # Plain SGD: the update is linear in the gradient, so parameters compare to float tolerance
+  # (Adam's first step, g/|g|, would turn rounding in near-zero gradients into whole steps).
+  opt = nnx.Optimizer(model, optax.chain(optax.sgd(1.0)), wrt=nnx.Param)
+  obj = rl.Objective(group_size=8, scheme="block_t", num_samples=2, block_size=c.model.block_size,
+                     staircase=True)
+  batch, _ = train.behaviour_pass(model, None, seqs, adv, jax.random.key(1), obj)
+  out = train.rl_step(model, opt, batch, jax.random.key(2), obj=obj, accumulation=2)
+  params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  elbo_old = float(jnp.sum(batch.logp_old_BxMxT * batch.weight_old_BxMxT))
+  return elbo_old, float(out["loss"]), float(out["grad_norm"]), params
+
+
+@pytest.mark.slow
+def test_one_training_step_matches_a_single_device_on_every_mesh():
+  c, model, seqs, adv = _tiny_setup()
+  want = _one_step(c, model, seqs, adv, None)
+  for sizes in ({"data": 8}, {"fsdp": 8}, {"tensor": 8}, {"data": 2, "fsdp": 2, "tensor": 2}):
+    got = _one_step(c, model, seqs, adv, sharding.make_mesh(sizes))
+    np.testing.assert_allclose(got[:3], want[:3], rtol=2e-5, atol=1e-6, err_msg=str(sizes))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6,
+                                                         err_msg=str(sizes)), got[3], want[3])
