@@ -163,8 +163,14 @@ def check(c, devices: list, hbm_gib: float | None = None) -> dict[str, Any]:
   if isinstance(sampling, samplers.SDARSampling):
     sampling = dataclasses.replace(sampling, block_size=cfg.block_size)
   gen = samplers.llada_generate if c.family == "llada" else samplers.sdar_generate
-  prompts = _batched((b, c.task.max_prompt_len), jnp.int32, mesh)
-  valid = _batched((b, c.task.max_prompt_len), bool, mesh)
+  decode_mesh = train.build_rollout_mesh(c, mesh) or mesh  # config.rollout_mesh, if set
+  if decode_mesh is not mesh:
+    results["rollout_mesh"] = dict(decode_mesh.shape)
+    model = abstract_model(cfg, decode_mesh)
+    key = jax.ShapeDtypeStruct((), key.dtype, sharding=jax.sharding.NamedSharding(
+        decode_mesh, jax.sharding.PartitionSpec()))
+  prompts = _batched((b, c.task.max_prompt_len), jnp.int32, decode_mesh)
+  valid = _batched((b, c.task.max_prompt_len), bool, decode_mesh)
   results["sampler"] = _compile(lambda: jax.jit(gen, static_argnums=(4,)).lower(
       model, prompts, valid, key, sampling))
   results["fits"] = all("error" not in results[k] and (hbm is None or results[k]["total"] <= hbm * GIB)
@@ -191,7 +197,8 @@ def _size(n: float) -> str:
 def report(r: dict[str, Any]) -> str:
   hbm = f"{r['hbm_gib']:g} GiB" if r["hbm_gib"] else "unknown"
   params = f"{r['params'] / 1e9:.2f}B" if r["params"] >= 1e8 else f"{r['params'] / 1e6:.2f}M"
-  lines = [f"{r['chips']} x {r['device_kind']}, mesh {r['mesh']}, {params} parameters, "
+  decode = f" (sampler: {r['rollout_mesh']})" if "rollout_mesh" in r else ""
+  lines = [f"{r['chips']} x {r['device_kind']}, mesh {r['mesh']}{decode}, {params} parameters, "
            f"HBM per chip {hbm}",
            "| program | arguments | outputs | temporaries | total per chip | fits | TFLOPs (XLA) |",
            "|---|---|---|---|---|---|---|"]

@@ -135,6 +135,12 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.mesh.data = -1
   c.mesh.fsdp = 1
   c.mesh.tensor = 1
+  # The rollouts' mesh over the same devices (e.g. tensor-parallel decoding while the update runs
+  # FSDP): the weights are resharded onto it before each rollout. All 0: the training mesh.
+  c.rollout_mesh = ml_collections.ConfigDict()
+  c.rollout_mesh.data = 0
+  c.rollout_mesh.fsdp = 0
+  c.rollout_mesh.tensor = 0
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 50

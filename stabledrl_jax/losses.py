@@ -102,6 +102,7 @@ def snis_clip_loss(
     epsilon: float | Array | None = 5.0,
     max_ratio: float | None = None,
     valid: Array | None = None,
+    lengths: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
   """StableDRL: unconditionally clipped, self-normalised importance weights per group.
 
@@ -117,7 +118,8 @@ def snis_clip_loss(
   Metrics: `clip_fraction` (valid rows whose log ratio lay outside the bounds),
   `log10_ratio_max`, `log10_ratio_mean` (log10 of the largest / mean unclipped ratio),
   `ess` (mean over groups of `1/Σα²`), `weight_entropy` (mean over groups of `-Σ α log α`),
-  `weight_max`.
+  `weight_max`; with `lengths` (`[B]` tokens per row), `clipped_token_fraction`: the fraction of
+  the valid rows' tokens whose (sequence) weight was clipped.
   """
   low, high = clip_bounds(epsilon, max_ratio)
   log_ratio = jax.lax.stop_gradient(log_ratio).astype(jnp.float32)
@@ -144,6 +146,10 @@ def snis_clip_loss(
       "weight_entropy": _masked_mean(entropy_N, group_has_rows_N),
       "weight_max": jnp.max(jnp.where(valid_NxG, alpha_NxG, 0.0)),
   }
+  if lengths is not None:
+    tokens_B = jnp.where(valid, lengths.astype(jnp.float32), 0.0)
+    metrics["clipped_token_fraction"] = (jnp.sum(jnp.where(outside_B, tokens_B, 0.0))
+                                         / jnp.maximum(jnp.sum(tokens_B), 1.0))
   return loss, metrics
 
 

@@ -125,13 +125,7 @@ def policy_loss(model, batch: RLBatch, key: Array, obj: Objective,
   lengths = jnp.sum(batch.seqs.counted_BxT, axis=-1)
   loss, metrics = _objective(batch, logp_new, noised, log_ratio, elbo_new, lengths, obj,
                              clip_epsilon)
-  if obj.name in ("stabledrl", "stabledrl_spg"):  # the weight is per sequence: count its tokens
-    low, high = losses.clip_bounds(obj.epsilon if clip_epsilon is None else clip_epsilon,
-                                   obj.max_ratio)
-    outside = ((log_ratio < low) | (log_ratio > high)).astype(jnp.float32)
-    n = lengths.astype(jnp.float32)
-    metrics["clipped_token_fraction"] = jnp.sum(outside * n) / jnp.maximum(jnp.sum(n), 1.0)
-  elif obj.name == "grpo":  # token-level ratios: the clip fraction already counts tokens
+  if obj.name == "grpo":  # token-level ratios: the clip fraction already counts tokens
     metrics["clipped_token_fraction"] = metrics["clip_fraction"]
   return loss, {**metrics, **diagnostics.kl_estimates(log_ratio / jnp.maximum(lengths, 1))}
 
@@ -150,7 +144,7 @@ def _objective(batch: RLBatch, logp_new: Array, noised: Array, log_ratio: Array,
       upper = losses.eubo(logp_new, noised, seqs.counted_BxT, beta=obj.spg_beta)
       surrogate = losses.spg_surrogate(adv, elbo_new, upper, omega=obj.spg_omega)
     return losses.snis_clip_loss(log_ratio, adv, surrogate, group_size=obj.group_size,
-                                 epsilon=eps, max_ratio=obj.max_ratio)
+                                 epsilon=eps, max_ratio=obj.max_ratio, lengths=lengths)
   if name == "grpo":
     lp_new, seen = _per_token(logp_new, noised)
     lp_old, _ = _per_token(batch.logp_old_BxMxT, batch.noised_old_BxMxT)

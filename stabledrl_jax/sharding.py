@@ -5,6 +5,10 @@ A mesh comes from a `{axis: size}` dict (`-1` = the devices left over). Paramete
 their logical axes (`models.weight_specs`: `embed` → `fsdp`, `heads`/`mlp`/`vocab` → `tensor`); a
 dimension a mesh axis does not divide stays replicated. Batches are split along their leading axis
 over `data` × `fsdp`. Under `jax.jit` the compiler propagates these shardings through the step.
+
+With several processes (hosts), each holds only its devices' rows of a batch: `process_rows` says
+which, `shard_batch` assembles the processes' rows into one global array, and `to_host` gathers a
+global array back onto every host (rollouts for the graders).
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from stabledrl_jax import models
@@ -100,24 +105,87 @@ def batch_sharding(mesh: Mesh, ndim: int, batch: int | None = None) -> NamedShar
   return NamedSharding(mesh, PartitionSpec(lead, *([None] * (ndim - 1))))
 
 
-def shard_batch(tree, mesh: Mesh | None):
-  """`device_put` every array leaf of `tree` with `batch_sharding` (as is when `mesh` is None)."""
+def process_rows(mesh: Mesh | None, rows: int) -> tuple[int, int]:
+  """The rows `[start, stop)` of a `rows`-row batch that this process's devices hold under
+  `batch_sharding`: the slice of each global batch this process reads (all rows on one host)."""
+  if mesh is None:
+    return 0, rows
+  held = batch_sharding(mesh, 1, rows).addressable_devices_indices_map((rows,))
+  spans = sorted({(i[0].start or 0, rows if i[0].stop is None else i[0].stop) for i in held.values()})
+  for (_, stop), (start, _) in zip(spans, spans[1:]):
+    if stop < start:
+      raise ValueError(f"process {jax.process_index()}'s devices hold rows {spans} of a batch of "
+                       f"{rows}, not one slice: the mesh must keep each process's devices together")
+  return spans[0][0], spans[-1][1]
+
+
+def shard_batch(tree, mesh: Mesh | None, *, rows: int | None = None, start: int = 0):
+  """Global arrays, split by `batch_sharding`, from the host arrays of `tree`.
+
+  Each host array holds rows `[start, start + len)` of a `rows`-row global batch (default: all of
+  it); a process needs only the rows of its own devices (`process_rows`). Leaves that are already
+  global arrays are resharded. As is when `mesh` is None.
+  """
   if mesh is None:
     return tree
 
   def put(x):
-    x = np.asarray(x) if not isinstance(x, jax.Array) else x
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return jax.device_put(x, batch_sharding(mesh, x.ndim, x.shape[0] if x.ndim else None))
+    x = np.asarray(x)
     if x.ndim == 0:
       return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
-    return jax.device_put(x, batch_sharding(mesh, x.ndim, x.shape[0]))
+    n = x.shape[0] if rows is None else rows
+
+    def rows_of(index):
+      lo, hi = (index[0].start or 0) - start, (n if index[0].stop is None else index[0].stop) - start
+      if lo < 0 or hi > x.shape[0]:
+        raise ValueError(f"this process holds rows [{start}, {start + x.shape[0]}) of the batch, "
+                         f"but its devices need rows [{lo + start}, {hi + start})")
+      return x[(slice(lo, hi), *index[1:])]
+
+    return jax.make_array_from_callback((n, *x.shape[1:]), batch_sharding(mesh, x.ndim, n), rows_of)
 
   return jax.tree.map(put, tree)
+
+
+def to_host(x) -> np.ndarray:
+  """The whole value of a (possibly multi-process) array as NumPy, on every process."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)
 
 
 def model_mesh(model: nnx.Module) -> Mesh | None:
   """The mesh `model`'s parameters live on (None for single-device / unsharded parameters)."""
   s = getattr(model.embed.embedding.get_value(), "sharding", None)
   return s.mesh if isinstance(s, NamedSharding) and s.mesh.size > 1 else None
+
+
+def replicate_rest(module: nnx.Module, mesh: Mesh | None) -> None:
+  """Replicate on `mesh`, in place, the arrays of `module` that are not on it (the optimiser's
+  step counts, created on one device), so restored and fresh state share the step's devices."""
+  if mesh is None:
+    return
+  state = nnx.state(module)
+
+  def put(x):
+    if not isinstance(x, jax.Array) or (isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh):
+      return x
+    value = np.asarray(x)  # a process-local array: the same value on every process
+    return jax.make_array_from_callback(value.shape, NamedSharding(mesh, PartitionSpec()),
+                                        lambda index: value[index])
+
+  values = jax.tree.map(put, nnx.to_pure_dict(state))
+  nnx.replace_by_pure_dict(state, values)
+  nnx.update(module, state)
+
+
+def resharded(model: nnx.Module, mesh: Mesh, rules: Mapping[str, str] | None = None) -> nnx.Module:
+  """A copy of `model` with its parameters placed on `mesh` (the original keeps its own)."""
+  copy = nnx.clone(model)
+  shard_model(copy, mesh, rules)
+  return copy
 
 
 def shard_model(model: nnx.Module, mesh: Mesh, rules: Mapping[str, str] | None = None) -> None:

@@ -18,9 +18,10 @@ import ml_collections
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 
-from stabledrl_jax import (checkpointing, config_lib, controls, diagnostics, flops, likelihood, losses,
-                           metrics, models, rl, samplers, sharding)
+from stabledrl_jax import (checkpointing, config_lib, controls, diagnostics, distributed, flops,
+                           likelihood, losses, metrics, models, rl, samplers, sharding)
 from stabledrl_jax.tasks import datasets, get_task, pipeline
 from stabledrl_jax.tasks.tokenizer import CharTokenizer, HFTokenizer
 
@@ -40,6 +41,20 @@ def build_mesh(c: ml_collections.ConfigDict):
     return sharding.make_mesh(c.mesh.to_dict())
   except ValueError as e:
     raise ValueError(f"config.mesh={c.mesh.to_dict()}: {e}") from e
+
+
+def build_rollout_mesh(c: ml_collections.ConfigDict, mesh):
+  """The mesh of `config.rollout_mesh` over `mesh`'s devices, or None (roll out on `mesh`)."""
+  sizes = c.rollout_mesh.to_dict()
+  if not any(sizes.values()):
+    return None
+  if not all(sizes.values()):
+    raise ValueError(f"config.rollout_mesh={sizes}: give every axis a size (-1 for the rest), "
+                     "or leave all 0 to roll out on the training mesh")
+  try:
+    return sharding.make_mesh(sizes, mesh.devices.flat)
+  except ValueError as e:
+    raise ValueError(f"config.rollout_mesh={sizes}: {e}") from e
 
 
 def build_model(c: ml_collections.ConfigDict, tokenizer, mesh=None) -> nnx.Module:
@@ -92,12 +107,23 @@ def sampling_settings(c: ml_collections.ConfigDict, temperature: float):
                                temperature=temperature, block_size=c.model.block_size)
 
 
-def generate(model, prompt_ids, prompt_mask, key, sampling) -> samplers.Rollout:
-  """Rollouts for a batch of prompts, the batch split over the model's mesh (if any)."""
+def generate(model, prompt_ids, prompt_mask, key, sampling, *, rows: int | None = None,
+             start: int = 0, rollout_mesh=None) -> samplers.Rollout:
+  """Rollouts for a batch of prompts, the batch split over the model's mesh (if any). With
+  several processes the host arrays are rows `[start, ...)` of a `rows`-row global batch.
+
+  With a `rollout_mesh`, the weights and prompts are resharded onto it for decoding and the
+  rollout comes back on the model's mesh.
+  """
   fn = samplers.llada_generate if isinstance(sampling, samplers.LLaDASampling) else samplers.sdar_generate
-  ids, mask = sharding.shard_batch((jnp.asarray(prompt_ids), jnp.asarray(prompt_mask)),
-                                   sharding.model_mesh(model))
-  return fn(model, ids, mask, key, sampling)
+  mesh = sharding.model_mesh(model)
+  ids, mask = sharding.shard_batch((np.asarray(prompt_ids), np.asarray(prompt_mask)), mesh,
+                                   rows=rows, start=start)
+  if rollout_mesh is None:
+    return fn(model, jnp.asarray(ids), jnp.asarray(mask), key, sampling)
+  decoder = sharding.resharded(model, rollout_mesh)
+  ids, mask = sharding.shard_batch((ids, mask), rollout_mesh)
+  return sharding.shard_batch(fn(decoder, ids, mask, key, sampling), mesh)
 
 
 def objective_settings(c: ml_collections.ConfigDict) -> rl.Objective:
@@ -185,13 +211,28 @@ def rl_step(model, optimizer, batch: rl.RLBatch, key, clip_epsilon=None, lr_scal
 class Data:
   task: Any
   tokenizer: Any
-  sft: Any        # grain iterators (checkpointed)
+  sft: Any        # grain iterators (checkpointed) of this process's rows of each global batch
   rl: Any
-  test: list      # held-out examples
+  test: list      # held-out examples (all of them, on every process)
   reward_fn: Any
+  sft_rows: tuple[int, int]  # this process's rows [start, stop) of an SFT batch
+  rl_rows: tuple[int, int]   # ... of the RL prompts of a step (each repeated group_size times)
 
 
-def build_data(c: ml_collections.ConfigDict, tokenizer, workdir: str) -> Data:
+def process_rows(c: ml_collections.ConfigDict, mesh) -> tuple[tuple[int, int], tuple[int, int]]:
+  """This process's rows of an SFT batch and of an RL step's prompts (whole groups)."""
+  group = c.rl.group_size
+  lo, hi = sharding.process_rows(mesh, c.rl.prompts_per_step * group)
+  if lo % group or hi % group:
+    raise ValueError(f"rl.prompts_per_step={c.rl.prompts_per_step}: process {jax.process_index()} "
+                     f"holds rollouts [{lo}, {hi}), which splits a group of rl.group_size={group}; "
+                     "make rl.prompts_per_step a multiple of the number of processes")
+  return sharding.process_rows(mesh, c.sft.batch_size), (lo // group, hi // group)
+
+
+def build_data(c: ml_collections.ConfigDict, tokenizer, workdir: str, mesh=None) -> Data:
+  """Tasks and this process's data iterators (`mesh`: the run's, which decides the rows)."""
+  sft_rows, rl_rows = process_rows(c, mesh)
   task = get_task(c.task.name)
   reward_fn = task.reward_fn(dict(c.task.reward_weights))
   kwargs: dict[str, Any] = dict(data_dir=c.task.data_dir or os.path.join(workdir, "data"),
@@ -204,17 +245,23 @@ def build_data(c: ml_collections.ConfigDict, tokenizer, workdir: str) -> Data:
   if c.task.source == "generated" and c.task.name == "sudoku":
     kwargs["blanks"] = c.task.blanks
     sft_kwargs["blanks"] = c.task.sft_blanks or c.task.blanks
+  # Process 0 prepares the on-disk data (a shared workdir must not be written by all at once).
+  several = jax.process_count() > 1
+  if several and not distributed.is_main():
+    multihost_utils.sync_global_devices("stabledrl_jax: data prepared")
   train = datasets.load_source(c.task.name, "train", **kwargs)
   test = datasets.load_source(c.task.name, "test", **kwargs)
   sft_train = train if sft_kwargs == kwargs else datasets.load_source(c.task.name, "train", **sft_kwargs)
+  if several and distributed.is_main():
+    multihost_utils.sync_global_devices("stabledrl_jax: data prepared")
   common = dict(max_prompt_len=c.task.max_prompt_len, style=c.task.prompt_style, chat=c.task.chat,
                 num_threads=1)
   sft = iter(pipeline.prompt_batches(task, sft_train, tokenizer, batch_size=c.sft.batch_size,
-                                     seed=c.seed, **common))
+                                     seed=c.seed, rows=sft_rows, **common))
   rl_it = iter(pipeline.prompt_batches(task, train, tokenizer, batch_size=c.rl.prompts_per_step,
-                                       seed=c.seed + 1, **common))
+                                       seed=c.seed + 1, rows=rl_rows, **common))
   return Data(task, tokenizer, sft, rl_it, [test[i] for i in range(min(len(test), c.eval.num_examples))],
-              reward_fn)
+              reward_fn, sft_rows, rl_rows)
 
 
 def encode_completions(data: Data, examples, gen_length: int) -> np.ndarray:
@@ -230,21 +277,25 @@ def encode_completions(data: Data, examples, gen_length: int) -> np.ndarray:
   return out
 
 
-def score(data: Data, rollout: samplers.Rollout, examples, reward_fn) -> np.ndarray:
-  texts = pipeline.decode_completions(data.tokenizer, np.asarray(rollout.completion_BxG))
+def score(data: Data, rollout: samplers.Rollout, examples, reward_fn, start: int = 0) -> np.ndarray:
+  """Rewards of the rollouts `[start, start + len(examples))` (this process's), on the host."""
+  completions = sharding.to_host(rollout.completion_BxG)[start:start + len(examples)]
+  texts = pipeline.decode_completions(data.tokenizer, completions)
   return np.array([reward_fn(t, ex) for t, ex in zip(texts, examples)], np.float32)
 
 
-def evaluate(c, data: Data, model) -> dict[str, float]:
-  """Greedy decoding on the held-out examples: mean task score (`accuracy`) and solve rate."""
+def evaluate(c, data: Data, model, rollout_mesh=None) -> dict[str, float]:
+  """Greedy decoding on the held-out examples: mean task score (`accuracy`) and solve rate.
+  Every process decodes its share and grades all of them, so all get the same result."""
   sampling = sampling_settings(c, temperature=0.0)
   scores, solved = [], []
   for lo in range(0, len(data.test), c.eval.batch_size):
     exs = data.test[lo:lo + c.eval.batch_size]
     enc = pipeline.encode_prompts(data.task, exs, data.tokenizer, max_prompt_len=c.task.max_prompt_len,
                                   style=c.task.prompt_style, chat=c.task.chat)
-    r = generate(model, enc["prompt_ids_BxL"], enc["prompt_mask_BxL"], jax.random.key(0), sampling)
-    texts = pipeline.decode_completions(data.tokenizer, np.asarray(r.completion_BxG))
+    r = generate(model, enc["prompt_ids_BxL"], enc["prompt_mask_BxL"], jax.random.key(0), sampling,
+                 rollout_mesh=rollout_mesh)
+    texts = pipeline.decode_completions(data.tokenizer, sharding.to_host(r.completion_BxG))
     scores += [data.task.correctness(t, ex) for t, ex in zip(texts, exs)]
     solved += [data.task.is_correct(t, ex) for t, ex in zip(texts, exs)]
   return {"accuracy": float(np.mean(scores)), "solve_rate": float(np.mean(solved)),
@@ -268,8 +319,9 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     config_lib.validate(c)
     os.makedirs(workdir, exist_ok=True)
     mesh = build_mesh(c)
+    rollout_mesh = build_rollout_mesh(c, mesh) if mesh.size > 1 else None
     tokenizer = build_tokenizer(c)
-    data = build_data(c, tokenizer, workdir)
+    data = build_data(c, tokenizer, workdir, mesh)
     model = build_model(c, tokenizer, mesh)
   except (ValueError, KeyError, OSError) as e:
     raise SetupError(str(e).strip("'\"") or repr(e)) from e
@@ -281,15 +333,18 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
   def new_optimizer(stage: str) -> nnx.Optimizer:
     if stage == "sft":
-      return nnx.Optimizer(model, make_optimizer(c.sft.lr, c.sft.warmup_steps, sft_total, c.optim), wrt=nnx.Param)
-    steps = c.rl.steps * c.rl.updates_per_batch
-    return nnx.Optimizer(model, make_optimizer(c.rl.lr, c.rl.warmup_steps, steps, c.optim), wrt=nnx.Param)
+      tx = make_optimizer(c.sft.lr, c.sft.warmup_steps, sft_total, c.optim)
+    else:
+      tx = make_optimizer(c.rl.lr, c.rl.warmup_steps, c.rl.steps * c.rl.updates_per_batch, c.optim)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    sharding.replicate_rest(optimizer, sharding.model_mesh(model))
+    return optimizer
 
   for warning in controls.config_warnings(
       lr=c.rl.lr, group_size=group, epsilon=c.rl.epsilon, max_ratio=c.rl.max_ratio or None,
       block_length=c.model.block_size if staircase else c.sampler.block_length,
       block_diffusion=staircase):
-    print(f"warning: {warning}", flush=True)
+    distributed.log(f"warning: {warning}")
   monitor = controls.StabilityMonitor(controls.MonitorConfig(**c.stability.to_dict()))
   step_controls = controls.StepControls(
       controls.ControlConfig(**c.controls.to_dict()), total=c.rl.steps,
@@ -311,8 +366,9 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     monitor.load_state_dict(meta.get("monitor") or monitor.state_dict())
     step_controls.load_state_dict(meta.get("controls") or {})
     step = start + 1
-    print(f"resumed from {ckpt.directory} at step {start + 1}/{total}", flush=True)
+    distributed.log(f"resumed from {ckpt.directory} at step {start + 1}/{total}")
   writer = metrics.MetricsWriter(workdir, total_steps=total, resume_step=start)
+  peak = flops.peak_flops(jax.devices()[0].device_kind)
   base_key = jax.random.key(c.seed)
   ref_model = None
 
@@ -325,10 +381,10 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         "rng_key": np.asarray(jax.random.key_data(base_key)).tolist()})
 
   def log_eval(at: int, tag: str):
-    result = evaluate(c, data, model)
+    result = evaluate(c, data, model, rollout_mesh)
     writer.write(at, {"tag": tag, **result}, eval_record=True)
-    print(f"held-out {tag}: accuracy {result['accuracy']:.3f}, solve rate {result['solve_rate']:.3f} "
-          f"({result['num_examples']} examples)", flush=True)
+    distributed.log(f"held-out {tag}: accuracy {result['accuracy']:.3f}, solve rate "
+                    f"{result['solve_rate']:.3f} ({result['num_examples']} examples)")
     return result
 
   stopped = None
@@ -344,11 +400,12 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             jnp.asarray(batch["prompt_ids_BxL"]), jnp.asarray(batch["prompt_mask_BxL"]),
             jnp.asarray(completions), family=c.family, block_size=c.model.block_size,
             mask_id=model.config.mask_token_id)
-        seqs = sharding.shard_batch(seqs, sharding.model_mesh(model))
+        seqs = sharding.shard_batch(seqs, sharding.model_mesh(model), rows=c.sft.batch_size,
+                                    start=data.sft_rows[0])
         out = sft_step(model, optimizer, seqs, key, scheme=c.sft.scheme, staircase=staircase,
                        block_size=sft_block)
         record = {k: float(v) for k, v in out.items()}
-        tokens = int(completions.size)
+        tokens = c.sft.batch_size * c.sampler.gen_length
         rows, length = seqs.tokens_BxT.shape
         step_flops = {"update": 3.0 * flops.forward_flops(model.config, rows,
                                                           length * (2 if staircase else 1))}
@@ -367,7 +424,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                                         fresh=step == sft_total)
         eps, lr_scale = step_controls.settings(step - sft_total)
         record = rl_iteration(c, data, model, ref_model, optimizer, key, obj, group,
-                              eps if controlled else None, lr_scale)
+                              eps if controlled else None, lr_scale, rollout_mesh)
         tokens = record.pop("_tokens")
         step_flops = record.pop("_flops")
         step_controls.update(record)
@@ -377,13 +434,13 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         if events:
           record["events"] = [e.name for e in events]
           for e in events:
-            print(f"stability event at step {step + 1}: {e.message}", flush=True)
+            distributed.log(f"stability event at step {step + 1}: {e.message}")
           if monitor.should_stop(events):
             stopped = events[0]
       skipped_total += int(record.pop("skipped", 0))
       wall = max(time.time() - t0, 1e-9)
       record.update(stage=stage, skipped_updates=skipped_total,
-                    **throughput(step_flops, tokens, wall))
+                    **throughput(step_flops, tokens, wall, peak))
       writer.write(step, record)
       if step % c.log_every == 0 or step == total - 1:
         writer.progress(step, stage, record)
@@ -394,18 +451,22 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         save(step, next_stage)
       step += 1
       if stopped:
-        print(f"stopped after step {step}/{total} by {stopped.name} (stability.stop_on_event); "
-              "the checkpoint of this step is kept: change the config and rerun the same command "
-              "to resume", flush=True)
+        distributed.log(f"stopped after step {step}/{total} by {stopped.name} "
+                        "(stability.stop_on_event); the checkpoint of this step is kept: change the "
+                        "config and rerun the same command to resume")
         return {"stopped": stopped._asdict(), "skipped_updates": skipped_total}
     final_tag = "after RL" if c.rl.steps else "after SFT"
     writer.flush()
     done = [e for e in metrics.read_jsonl(writer.eval_path) if e["tag"] == final_tag]
+    if jax.process_count() > 1:  # process 0 wrote the file: all follow its answer together
+      done = done if multihost_utils.broadcast_one_to_all(bool(done)) else []
     final = done[-1] if done else log_eval(total - 1, final_tag)  # a finished run is not redone
   finally:
     ckpt.wait()
     ckpt.close()
     writer.close()
+  if not distributed.is_main():
+    return {"after": final, "skipped_updates": skipped_total}
   evals = metrics.read_jsonl(os.path.join(workdir, "eval.jsonl"))
   before = next((e for e in evals if e["tag"] == "before RL"), None)
   if before is not None and c.rl.steps:
@@ -422,7 +483,7 @@ def reference_model(model, path: str, *, fresh: bool) -> nnx.Module:
   ref = copy_module(model)
   if fresh or not os.path.exists(path):
     if not fresh:
-      print(f"warning: no KL reference at {path}; using the resumed weights", flush=True)
+      distributed.log(f"warning: no KL reference at {path}; using the resumed weights")
     checkpointing.save_params(path, ref)  # a rerun from RL's first step replaces an old one
   else:
     checkpointing.restore_params(path, ref)
@@ -430,16 +491,20 @@ def reference_model(model, path: str, *, fresh: bool) -> nnx.Module:
 
 
 def rl_iteration(c, data: Data, model, ref_model, optimizer, key, obj: rl.Objective, group: int,
-                 clip_epsilon: float | None = None, lr_scale: float = 1.0):
+                 clip_epsilon: float | None = None, lr_scale: float = 1.0, rollout_mesh=None):
   """Rollouts -> rewards -> advantages -> behaviour log-probs -> μ optimiser steps."""
   k_roll, k_mask, k_update = jax.random.split(key, 3)
-  batch = next(data.rl)
+  batch = next(data.rl)  # this process's prompts: rows [start, ...) of the step's B rollouts
   ids = np.repeat(batch["prompt_ids_BxL"], group, axis=0)
   mask = np.repeat(batch["prompt_mask_BxL"], group, axis=0)
   examples = [ex for ex in batch["examples"] for _ in range(group)]
-  rollout = generate(model, ids, mask, k_roll, sampling_settings(c, c.sampler.temperature))
-  rewards = score(data, rollout, examples, data.reward_fn)
-  adv = losses.group_advantages(jnp.asarray(rewards), group_size=group, mode=c.rl.advantage)
+  rows, start = c.rl.prompts_per_step * group, data.rl_rows[0] * group
+  rollout = generate(model, ids, mask, k_roll, sampling_settings(c, c.sampler.temperature),
+                     rows=rows, start=start, rollout_mesh=rollout_mesh)
+  rewards = sharding.shard_batch(score(data, rollout, examples, data.reward_fn, start),
+                                 sharding.model_mesh(model), rows=rows, start=start)
+  rewards = jnp.asarray(rewards)
+  adv = losses.group_advantages(rewards, group_size=group, mode=c.rl.advantage)
   rl_batch, entropy = behaviour_pass(model, ref_model, likelihood.from_rollout(rollout), adv,
                                      k_mask, obj)
   eps = None if clip_epsilon is None else jnp.float32(clip_epsilon)
@@ -451,9 +516,9 @@ def rl_iteration(c, data: Data, model, ref_model, optimizer, key, obj: rl.Object
   record["grad_norm_max"] = float(np.max([float(o["grad_norm"]) for o in outs]))  # nan if any is
   record["token_entropy"] = float(entropy)
   record.update(diagnostics.to_floats(diagnostics.step_diagnostics(
-      rewards_B=jnp.asarray(rewards), group_size=group, mask_BxL=rollout.completion_mask_BxG,
+      rewards_B=rewards, group_size=group, mask_BxL=rollout.completion_mask_BxG,
       tokens_BxL=rollout.completion_BxG)))
-  record["_tokens"] = int(np.sum(np.asarray(rollout.lengths_B)))
+  record["_tokens"] = int(jnp.sum(rollout.lengths_B))
   seqs = rl_batch.seqs
   record["_flops"] = flops.rl_step_flops(model.config, flops.StepShape(
       rows=seqs.tokens_BxT.shape[0], prompt=ids.shape[1], gen=c.sampler.gen_length,
@@ -463,16 +528,16 @@ def rl_iteration(c, data: Data, model, ref_model, optimizer, key, obj: rl.Object
   return record
 
 
-def throughput(step_flops: dict[str, float], tokens: int, wall: float) -> dict[str, float]:
+def throughput(step_flops: dict[str, float], tokens: int, wall: float,
+               peak: float | None = None) -> dict[str, float]:
   """Tokens/s (in all and per device), the analytic FLOPs of each phase (`flops_<phase>`), the
-  achieved TFLOP/s per device over the step's wall time, and MFU against the device's bf16 peak
-  where it is known (not on CPU)."""
+  achieved TFLOP/s per device over the step's wall time, and MFU against the device's bf16 `peak`
+  FLOP/s where it is known (`flops.peak_flops`; not on CPU)."""
   n = jax.device_count()
   total = sum(step_flops.values())
   out = {"tokens_per_s": tokens / wall, "tokens_per_s_per_device": tokens / wall / n,
          **{f"flops_{k}": v for k, v in step_flops.items()},
          "tflops_per_s_per_device": total / wall / n / 1e12}
-  peak = flops.peak_flops(jax.devices()[0].device_kind)
   if peak:
     out["mfu"] = total / wall / n / peak
   return out

@@ -23,8 +23,12 @@ def test_memory_reflects_parameter_sharding():
   n = replicated["params"]
   # Parameters and Adam's two moments in float32 on every chip, plus the batch.
   assert replicated["rl_step"]["arguments"] >= 3 * 4 * n
-  sharded = aot.check(_smoke(data=1, fsdp=8), devices, hbm_gib=1.0)
+  fsdp = _smoke(data=1, fsdp=8)
+  fsdp.rollout_mesh.data, fsdp.rollout_mesh.fsdp, fsdp.rollout_mesh.tensor = 1, 1, -1
+  sharded = aot.check(fsdp, devices, hbm_gib=1.0)  # FSDP update, tensor-parallel sampler
   assert sharded["rl_step"]["arguments"] < replicated["rl_step"]["arguments"] - 4 * n
+  assert sharded["rollout_mesh"] == {"data": 1, "fsdp": 1, "tensor": 8}
+  assert "(sampler: {'data': 1, 'fsdp': 1, 'tensor': 8})" in aot.report(sharded)
   assert replicated["fits"] and replicated["sampler"]["total"] > 0
   assert "| rl_step |" in aot.report(replicated)
   tiny_hbm = aot.check(_smoke(), devices, hbm_gib=1e-4)

@@ -124,9 +124,9 @@ def _puzzles(batch):
 
 
 def test_same_seed_same_batches(sudoku_train):
-  a, _ = _batches(sudoku_train, 5, shard_index=0, shard_count=1)
-  b, _ = _batches(sudoku_train, 5, shard_index=0, shard_count=1)
-  c, _ = _batches(sudoku_train, 5, shard_index=0, shard_count=1, seed=1)
+  a, _ = _batches(sudoku_train, 5)
+  b, _ = _batches(sudoku_train, 5)
+  c, _ = _batches(sudoku_train, 5, seed=1)
   assert [_puzzles(x) for x in a] == [_puzzles(x) for x in b]
   assert [_puzzles(x) for x in a] != [_puzzles(x) for x in c]
   for x, y in zip(a, b):
@@ -134,7 +134,7 @@ def test_same_seed_same_batches(sudoku_train):
 
 
 def test_prompt_ids_decode_to_the_examples(sudoku_train):
-  (batch,), _ = _batches(sudoku_train, 1, shard_index=0, shard_count=1)
+  (batch,), _ = _batches(sudoku_train, 1)
   tok = CharTokenizer()
   ids, mask = batch["prompt_ids_BxL"], batch["prompt_mask_BxL"]
   assert ids.shape == mask.shape == (8, 20) and ids.dtype == np.int32
@@ -145,25 +145,33 @@ def test_prompt_ids_decode_to_the_examples(sudoku_train):
 
 def test_resume_from_checkpoint_continues_exactly(sudoku_train):
   # 96 examples / 8 = 12 batches an epoch: 20 batches cross an epoch boundary.
-  full, _ = _batches(sudoku_train, 20, shard_index=0, shard_count=1)
-  head, it = _batches(sudoku_train, 7, shard_index=0, shard_count=1)
+  full, _ = _batches(sudoku_train, 20)
+  head, it = _batches(sudoku_train, 7)
   state = json.loads(json.dumps(it.get_state()))  # the state survives a JSON checkpoint
-  _, fresh = _batches(sudoku_train, 0, shard_index=0, shard_count=1)
+  _, fresh = _batches(sudoku_train, 0)
   fresh.set_state(state)
   resumed = [next(fresh) for _ in range(13)]
   assert [_puzzles(x) for x in head + resumed] == [_puzzles(x) for x in full]
 
 
-def test_processes_see_disjoint_shards(sudoku_train):
-  seen = []
-  for index in range(2):
-    batches, _ = _batches(sudoku_train, 6, shard_index=index, shard_count=2)  # one epoch
-    seen.append([tuple(sorted(e.items())) for b in batches for e in b["examples"]])
-  assert len(set(seen[0])) == len(seen[0]) == 48
-  # Disjoint by record: no record index is read by both processes.
-  all_records = [tuple(sorted(sudoku_train[i].items())) for i in range(96)]
-  idx = [{all_records.index(r) for r in s} for s in seen]
-  assert not idx[0] & idx[1] and len(idx[0] | idx[1]) == 96
+def test_processes_read_disjoint_slices_of_the_same_global_batches(sudoku_train):
+  whole, _ = _batches(sudoku_train, 14)  # 96 / 8 = 12 batches an epoch: crosses into the second
+  parts = [_batches(sudoku_train, 14, rows=rows) for rows in ((0, 3), (3, 8))]
+  for b, (x, y) in enumerate(zip(parts[0][0], parts[1][0])):
+    assert len(x["examples"]) == 3 and len(y["examples"]) == 5
+    assert _puzzles(x) + _puzzles(y) == _puzzles(whole[b])
+    np.testing.assert_array_equal(np.concatenate([x["prompt_ids_BxL"], y["prompt_ids_BxL"]]),
+                                  whole[b]["prompt_ids_BxL"])
+  # Each process's iterator resumes from its own state.
+  _, it = _batches(sudoku_train, 0, rows=(3, 8))
+  it.set_state(json.loads(json.dumps(parts[1][1].get_state())))
+  again, _ = _batches(sudoku_train, 15, rows=(3, 8))
+  assert _puzzles(next(it)) == _puzzles(again[-1])
+
+
+def test_rows_outside_the_batch_are_an_error(sudoku_train):
+  with pytest.raises(ValueError, match=r"rows \(4, 9\)"):
+    pipeline.make_dataset(sudoku_train, batch_size=8, seed=0, rows=(4, 9))
 
 
 def test_completions_are_cut_at_eos():
@@ -177,14 +185,6 @@ def test_completions_are_cut_at_eos():
   )
   assert pipeline.decode_completions(tok, ids[:1]) == ["<answer>12</answer>"]
   assert pipeline.decode_completions(tok, ids[1:]) == ["7"]
-
-
-def test_default_shard_is_this_process(sudoku_train):
-  default = next(iter(pipeline.make_dataset(sudoku_train, batch_size=4, seed=0)))
-  explicit = next(
-      iter(pipeline.make_dataset(sudoku_train, batch_size=4, seed=0, shard_index=0, shard_count=1))
-  )
-  assert default == explicit
 
 
 def test_built_without_tensorflow(sudoku_train):

@@ -59,8 +59,10 @@ def test_snis_clip_loss_matches_numpy_value_and_gradient(n_groups, group_size, s
     lo, hi = (math.log(1 - eps) if eps < 1 else -math.inf), math.log(1 + eps)
   want_loss, want_grad, alphas = np_snis(log_ratio, adv, sur, group_size, lo, hi, valid)
 
+  lengths = rng.integers(1, 30, size=len(log_ratio))
   f = lambda s: losses.snis_clip_loss(jnp.asarray(log_ratio, jnp.float32), jnp.asarray(adv, jnp.float32),
-                                      s, group_size=group_size, valid=jnp.asarray(valid), **clip)
+                                      s, group_size=group_size, valid=jnp.asarray(valid),
+                                      lengths=jnp.asarray(lengths), **clip)
   (loss, metrics), grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(sur, jnp.float32))
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-7)
@@ -68,6 +70,8 @@ def test_snis_clip_loss_matches_numpy_value_and_gradient(n_groups, group_size, s
   v = valid
   outside = ((log_ratio < lo) | (log_ratio > hi))[v]
   np.testing.assert_allclose(metrics["clip_fraction"], outside.mean(), atol=1e-6)
+  np.testing.assert_allclose(metrics["clipped_token_fraction"],
+                             (outside * lengths[v]).sum() / lengths[v].sum(), atol=1e-6)
   lr10 = log_ratio[v] / math.log(10)
   np.testing.assert_allclose(metrics["log10_ratio_max"], lr10.max(), rtol=1e-5)
   lmean = np.logaddexp.reduce(log_ratio[v]) - math.log(v.sum())

@@ -35,6 +35,57 @@ def test_parameters_are_created_sharded_by_their_logical_axes():
   assert sharding.model_mesh(model) is mesh and sharding.model_mesh(eager) is None
 
 
+def test_batches_go_to_the_data_and_fsdp_devices_and_back():
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  assert sharding.process_rows(mesh, 16) == (0, 16) and sharding.process_rows(None, 5) == (0, 5)
+  x = np.arange(16 * 3).reshape(16, 3)
+  g = sharding.shard_batch(x, mesh)
+  assert g.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"), None)
+  assert sorted(s.index[0].start for s in g.addressable_shards) == [0, 0, 4, 4, 8, 8, 12, 12]
+  np.testing.assert_array_equal(sharding.to_host(g), x)
+  odd = sharding.shard_batch(x[:6], mesh)  # 6 rows do not split 4 ways: replicated
+  assert odd.sharding.is_fully_replicated
+  # A host holding only rows [4, 8) of 16 cannot fill the devices that need the others.
+  with pytest.raises(ValueError, match=r"holds rows \[4, 8\) of the batch, but its devices need rows \[0, 4\)"):
+    sharding.shard_batch(x[4:8], mesh, rows=16, start=4)
+
+
+def test_optimizer_counts_are_replicated_on_the_model_mesh():
+  mesh = sharding.make_mesh({"fsdp": 8})
+  model = sharding.create_model(models.tiny(), 0, mesh)
+  opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+  leaves = jax.tree.leaves(nnx.state(opt))
+  assert any(not isinstance(x.sharding, jax.sharding.NamedSharding) for x in leaves)
+  sharding.replicate_rest(opt, mesh)
+  leaves = jax.tree.leaves(nnx.state(opt))
+  assert all(isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == mesh
+             for x in leaves)
+  assert int(opt.step.get_value()) == 0
+
+
+def test_rollouts_on_another_mesh_decode_the_same_and_come_back_on_the_training_mesh():
+  c = config_lib.base_config("sdar")
+  config_lib.apply_preset(c, "smoke")
+  c.rollout_mesh.data, c.rollout_mesh.fsdp, c.rollout_mesh.tensor = 1, 1, -1
+  mesh = train.build_mesh(c)  # data=8
+  decode_mesh = train.build_rollout_mesh(c, mesh)
+  assert dict(decode_mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 8}
+  tok = train.build_tokenizer(c)
+  model = train.build_model(c, tok, mesh)
+  rng = np.random.default_rng(0)
+  ids = rng.integers(5, tok.vocab_size, size=(8, 6)).astype(np.int32)
+  sampling = train.sampling_settings(c, temperature=1.0)
+  plain = train.generate(model, ids, np.ones_like(ids, bool), jax.random.key(3), sampling)
+  other = train.generate(model, ids, np.ones_like(ids, bool), jax.random.key(3), sampling,
+                         rollout_mesh=decode_mesh)
+  np.testing.assert_array_equal(other.tokens_BxT, plain.tokens_BxT)
+  assert other.tokens_BxT.sharding.mesh == mesh
+  assert sharding.model_mesh(model) is mesh  # the model itself stays where it was
+  c.rollout_mesh.tensor = 0
+  with pytest.raises(ValueError, match=r"config.rollout_mesh=.*give every axis a size"):
+    train.build_rollout_mesh(c, mesh)
+
+
 def _tiny_setup():
   c = config_lib.base_config("sdar")  # the tiny preset's model
   tok = train.build_tokenizer(c)

@@ -1,4 +1,4 @@
-"""Grain pipelines over task sources: deterministic, sharded by process, checkpointable.
+"""Grain pipelines over task sources: deterministic, split between processes, checkpointable.
 
     source = datasets.load_source("sudoku", "train", data_dir=..., blanks=8)
     ds = prompt_batches(get_task("sudoku"), source, CharTokenizer(), batch_size=16, seed=0,
@@ -7,8 +7,10 @@
     batch = next(it)                   # {"prompt_ids_BxL", "prompt_mask_BxL", "examples"}
     state = it.get_state()             # save with the checkpoint; it.set_state(state) resumes
 
-Sharding happens before shuffling: process `i` of `n` reads records `i, i+n, i+2n, ...`, so
-processes see disjoint examples and the same seed gives each the same order on every run.
+Every batch is a slice of one global batch sequence: the records are shuffled (per epoch, from
+`seed`) and cut into batches of `batch_size` whatever the number of processes, and a process reads
+only its rows `[start, stop)` of each (`rows=`, from `sharding.process_rows`). So processes read
+disjoint records, and a run on `n` hosts sees the same global batches as a run on one.
 """
 
 from __future__ import annotations
@@ -23,13 +25,6 @@ from stabledrl_jax.tasks import base
 from stabledrl_jax.tasks.tokenizer import Tokenizer
 
 
-def process_shard() -> tuple[int, int]:
-  """(this process's index, process count) from JAX's distributed runtime."""
-  import jax
-
-  return jax.process_index(), jax.process_count()
-
-
 def make_dataset(
     source: Sequence[Any],
     *,
@@ -37,24 +32,33 @@ def make_dataset(
     seed: int,
     shuffle: bool = True,
     num_epochs: int | None = None,
-    shard_index: int | None = None,
-    shard_count: int | None = None,
+    rows: tuple[int, int] | None = None,
     drop_remainder: bool = True,
     batch_fn: Callable[[Sequence[Any]], Any] | None = None,
     num_threads: int = 2,
 ) -> grain.IterDataset:
-  """Shard -> (shuffle per epoch) -> repeat -> batch. `num_epochs=None` repeats forever."""
-  if shard_index is None or shard_count is None:
-    shard_index, shard_count = process_shard()
-  if not 0 <= shard_index < shard_count:
-    raise ValueError(f"shard_index {shard_index} not in [0, {shard_count})")
-  ds = grain.MapDataset.source(source)[shard_index::shard_count]
+  """(Shuffle per epoch) -> repeat -> global batches of `batch_size` -> this process's `rows`.
+
+  `rows=(start, stop)`: the rows of every global batch this process reads (default: all of them).
+  `num_epochs=None` repeats forever.
+  """
+  ds = grain.MapDataset.source(source)
   if len(ds) < batch_size and drop_remainder:
-    raise ValueError(f"shard has {len(ds)} examples, fewer than one batch of {batch_size}")
+    raise ValueError(f"source has {len(ds)} examples, fewer than one batch of {batch_size}")
   if shuffle:
     # A fresh permutation each epoch, all derived from `seed`.
     ds = ds.shuffle(seed=seed)
   ds = ds.repeat(num_epochs)
+  start, stop = (0, batch_size) if rows is None else rows
+  if not 0 <= start < stop <= batch_size:
+    raise ValueError(f"rows {rows} are not a slice of a batch of {batch_size}")
+  if (start, stop) != (0, batch_size):
+    if not drop_remainder:
+      raise ValueError("reading part of each batch (rows=...) needs drop_remainder=True")
+    every, full, local = ds, batch_size, stop - start
+    ds = grain.MapDataset.range(len(every) // full * local).map(
+        lambda j: every[j // local * full + start + j % local])
+    batch_size = local
   ds = ds.batch(batch_size, drop_remainder=drop_remainder, batch_fn=batch_fn or list)
   return ds.to_iter_dataset(
       grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=2 * num_threads)

@@ -1,0 +1,41 @@
+"""Joining a multi-process (multi-host) run, and the console output of one.
+
+Every process of a run executes the same program on its own devices (JAX's multi-controller
+model): `initialize` connects them through a coordinator, after which `jax.devices()` lists the
+devices of all processes and one mesh spans them. On Cloud TPU and under SLURM the coordinator,
+process count and process id are detected; elsewhere they are given (flags of `main`, or the
+`launch/` scripts). If a process dies, the coordinator notices its missing heartbeats and stops
+the others with an error within `heartbeat_timeout_s` instead of leaving them hanging in a
+collective.
+"""
+from __future__ import annotations
+
+import jax
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, *, heartbeat_timeout_s: int = 100) -> None:
+  """`jax.distributed.initialize`, with CPU collectives over gloo (for runs of several local
+  processes; TPU and GPU use their own interconnects). Call before any other JAX call."""
+  given = {"coordinator_address": coordinator_address, "num_processes": num_processes,
+           "process_id": process_id}
+  if any(v is not None for v in given.values()) and any(v is None for v in given.values()):
+    missing = [k for k, v in given.items() if v is None]
+    raise ValueError(f"multi-process flags: {', '.join(missing)} missing (give all three of "
+                     "coordinator_address, num_processes, process_id, or none on Cloud TPU/SLURM)")
+  if num_processes is not None and not 0 <= process_id < num_processes:
+    raise ValueError(f"process_id={process_id} is not in [0, num_processes={num_processes})")
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address, num_processes, process_id,
+                             heartbeat_timeout_seconds=heartbeat_timeout_s)
+
+
+def is_main() -> bool:
+  """Whether this is process 0, the one that prints and writes the metrics files."""
+  return jax.process_index() == 0
+
+
+def log(message: str) -> None:
+  """Print `message` (flushed) on process 0 only."""
+  if is_main():
+    print(message, flush=True)
