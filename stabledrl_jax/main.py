@@ -4,7 +4,7 @@ Rerunning the same command with the same workdir resumes from its latest checkpo
 
 On several hosts, run the same command on every one with `--distributed` (`launch/` has the
 scripts): on Cloud TPU and under SLURM that is all; elsewhere add `--coordinator_address=HOST:PORT
---num_processes=N --process_id=I`.
+--num_processes=N --process_id=I` (or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID).
 """
 import os
 import sys

@@ -101,9 +101,19 @@ def test_launcher_reports_a_failed_process_and_its_exit_code(tmp_path):
   assert "launch: process" in out.stderr and "exited with code 1" in out.stderr
 
 
-def test_partial_multi_process_flags_are_an_error():
+def test_partial_multi_process_flags_are_an_error(monkeypatch):
   with pytest.raises(ValueError, match="process_id missing"):
     distributed.initialize("127.0.0.1:1234", 2)
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "2")  # the environment fills in what flags leave out
+  with pytest.raises(ValueError, match="coordinator_address, process_id missing"):
+    distributed.initialize()
+  monkeypatch.setenv("JAX_PROCESS_ID", "one")
+  with pytest.raises(ValueError, match="JAX_PROCESS_ID='one' is not an integer"):
+    distributed.initialize()
+  monkeypatch.setenv("JAX_PROCESS_ID", "3")
+  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1234")
+  with pytest.raises(ValueError, match=r"process_id=3 is not in \[0, num_processes=2\)"):
+    distributed.initialize()
   with pytest.raises(ValueError, match=r"process_id=2 is not in \[0, num_processes=2\)"):
     distributed.initialize("127.0.0.1:1234", 2, 2)
   out = subprocess.run(main_cmd(SMOKE, "/nonexistent", "--num_processes=2"), cwd=REPO,
