@@ -123,18 +123,20 @@ def shard_batch(tree, mesh: Mesh | None, *, rows: int | None = None, start: int 
   """Global arrays, split by `batch_sharding`, from the host arrays of `tree`.
 
   Each host array holds rows `[start, start + len)` of a `rows`-row global batch (default: all of
-  it); a process needs only the rows of its own devices (`process_rows`). Leaves that are already
-  global arrays are resharded. As is when `mesh` is None.
+  it); a process needs only the rows of its own devices (`process_rows`). Device arrays that
+  already hold the whole batch (global arrays, or any array on a single process) are resharded on
+  the devices, without a trip through the host. As is when `mesh` is None.
   """
   if mesh is None:
     return tree
 
   def put(x):
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-      return jax.device_put(x, batch_sharding(mesh, x.ndim, x.shape[0] if x.ndim else None))
+    on_devices = isinstance(x, jax.Array) and (not x.is_fully_addressable or jax.process_count() == 1)
+    if np.ndim(x) == 0:
+      return jax.device_put(x if on_devices else np.asarray(x), NamedSharding(mesh, PartitionSpec()))
+    if on_devices:
+      return jax.device_put(x, batch_sharding(mesh, x.ndim, x.shape[0]))
     x = np.asarray(x)
-    if x.ndim == 0:
-      return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
     n = x.shape[0] if rows is None else rows
 
     def rows_of(index):
