@@ -145,7 +145,10 @@ def main() -> None:
   for o in objectives:
     if o not in OBJECTIVES:
       sys.exit(f"--objectives: unknown {o!r}; expected some of {list(OBJECTIVES)}")
+  # The clean SFT demonstrator and a small learning rate: this bench compares gradients under
+  # estimation noise from a model RL can only nudge, not the main job's recovery from a weak one.
   common = [sys.executable, "-m", "stabledrl_jax.main", f"--config={args.config}",
+            "--config.task.sft_unfilled=0", "--config.rl.lr=1e-5",
             f"--config.rl.prompts_per_step={args.prompts}",
             f"--config.eval.num_examples={args.eval_examples}", *args.extra]
   sft = os.path.join(args.root, "sft")

@@ -42,6 +42,8 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.task.blanks = 11            # Sudoku: blanks per puzzle (RL and evaluation)
   c.task.sft_blanks = 8         # Sudoku: blanks per SFT puzzle (0 = task.blanks); SFT on easier
                                 # puzzles than RL sees (README: what each setting measured)
+  c.task.sft_unfilled = 0.5     # Sudoku: the SFT demonstrator leaves each blank empty ("0") with
+                                # this probability; RL on the true reward undoes it (README)
   c.task.num_train = 2000
   c.task.num_test = 256
   c.task.max_prompt_len = 24
@@ -63,7 +65,7 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.rl.group_size = 8           # G
   c.rl.updates_per_batch = 2    # μ optimiser steps on the same rollouts
   c.rl.accumulation = 1         # micro-batches per optimiser step (each a whole number of groups)
-  c.rl.lr = 1e-5               # measured: 2e-4 and 3e-5 degrade the tiny SFT model (README)
+  c.rl.lr = 3e-5                # about the longest safe step bench/rl_step_probe.py measured (README)
   c.rl.warmup_steps = 0
   c.rl.scheme = "block_t" if family == "sdar" else "block_random"
   c.rl.num_samples = 2          # M Monte Carlo masks per completion
@@ -226,6 +228,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
       bad("task.blanks", "a 4x4 Sudoku with a unique solution has 1 to 12 blanks")
     if not 0 <= c.task.sft_blanks <= 12:
       bad("task.sft_blanks", "expected 0 (= task.blanks) or 1 to 12")
+    if not 0 <= c.task.sft_unfilled < 1:
+      bad("task.sft_unfilled", "must lie in [0, 1)")
   if c.sampler.temperature < 0:
     bad("sampler.temperature", "must be >= 0")
   if c.family == "llada":
@@ -278,6 +282,7 @@ def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
     c.model.remat = True
     c.task.name, c.task.source, c.task.source_dir = "gsm8k", "local", "../shared/data/gsm8k"
     c.task.prompt_style, c.task.chat, c.task.max_prompt_len = "plain", True, 512
+    c.task.sft_unfilled = 0.0
     c.sft.steps = 0
     c.rl.steps = 1000
     c.rl.lr, c.optim.decay_steps, c.optim.grad_clip = 2e-6, 2000, 0.2

@@ -22,7 +22,7 @@ from jax.experimental import multihost_utils
 
 from stabledrl_jax import (checkpointing, config_lib, controls, diagnostics, distributed, flops,
                            likelihood, losses, metrics, models, rl, samplers, sharding)
-from stabledrl_jax.tasks import datasets, get_task, pipeline
+from stabledrl_jax.tasks import datasets, get_task, pipeline, sudoku
 from stabledrl_jax.tasks.tokenizer import CharTokenizer, HFTokenizer
 
 
@@ -264,14 +264,24 @@ def build_data(c: ml_collections.ConfigDict, tokenizer, workdir: str, mesh=None)
               reward_fn, sft_rows, rl_rows)
 
 
-def encode_completions(data: Data, examples, gen_length: int) -> np.ndarray:
-  """Reference completions, ending in a stop token, padded with it to `gen_length`."""
-  tok = data.tokenizer
-  out = np.full((len(examples), gen_length), tok.eos_id, np.int32)
-  for i, ex in enumerate(examples):
-    ids = tok.encode(data.task.reference_completion(ex))
+def sft_targets(c: ml_collections.ConfigDict, task, examples, step: int, start: int) -> list[str]:
+  """The SFT completions of `examples` (global rows `start`...): the task's references, or for
+  Sudoku with `task.sft_unfilled` > 0 a weaker demonstrator's answers. Each row's draw depends only
+  on (seed, step, global row), so resumed runs and any process count train on the same targets."""
+  if c.task.name == "sudoku" and c.task.sft_unfilled:
+    return [sudoku.unfilled_demonstration(ex, c.task.sft_unfilled,
+                                          np.random.default_rng([c.seed, step, start + i]))
+            for i, ex in enumerate(examples)]
+  return [task.reference_completion(ex) for ex in examples]
+
+
+def encode_completions(tokenizer, texts: list[str], gen_length: int) -> np.ndarray:
+  """Completions, each ending in a stop token and padded with it to `gen_length`."""
+  out = np.full((len(texts), gen_length), tokenizer.eos_id, np.int32)
+  for i, text in enumerate(texts):
+    ids = tokenizer.encode(text)
     if len(ids) >= gen_length:
-      raise ValueError(f"reference completion of {len(ids)} tokens does not fit "
+      raise ValueError(f"SFT completion of {len(ids)} tokens does not fit "
                        f"sampler.gen_length={gen_length} (one slot is needed for the stop token)")
     out[i, :len(ids)] = ids
   return out
@@ -395,7 +405,8 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       if step < sft_total:
         stage = "sft"
         batch = next(data.sft)
-        completions = encode_completions(data, batch["examples"], c.sampler.gen_length)
+        targets = sft_targets(c, data.task, batch["examples"], step, data.sft_rows[0])
+        completions = encode_completions(data.tokenizer, targets, c.sampler.gen_length)
         seqs = likelihood.teacher_forced(
             jnp.asarray(batch["prompt_ids_BxL"]), jnp.asarray(batch["prompt_mask_BxL"]),
             jnp.asarray(completions), family=c.family, block_size=c.model.block_size,

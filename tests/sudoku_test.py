@@ -2,6 +2,7 @@
 
 import itertools
 
+import numpy as np
 import pytest
 
 from stabledrl_jax.tasks import get_task, sudoku
@@ -81,3 +82,24 @@ def test_bad_csv_rows_are_rejected():
   assert sudoku.from_csv_row({"Puzzle": EX["puzzle"], "Solution": EX["solution"]}) == EX
   with pytest.raises(ValueError, match="contradicts"):
     sudoku.from_csv_row({"Puzzle": "4102200002100320", "Solution": EX["solution"]})
+
+
+def test_unfilled_demonstration_leaves_blanks_empty_at_the_given_rate():
+  rng = np.random.default_rng(0)
+  blanks = [i for i, ch in enumerate(EX["puzzle"]) if ch == "0"]
+  empty = 0
+  for _ in range(2000):
+    text = sudoku.unfilled_demonstration(EX, 0.3, rng)
+    assert text.startswith("<answer>") and text.endswith("</answer>")
+    answer = text[len("<answer>"):-len("</answer>")]
+    for i, (a, p, s) in enumerate(zip(answer, EX["puzzle"], EX["solution"])):
+      # Given cells are always copied; a blank is either left "0" or filled correctly.
+      assert a == s if p != "0" else a in ("0", s), (i, text)
+    empty += sum(answer[i] == "0" for i in blanks)
+  # 16000 Bernoulli(0.3) draws: the binomial standard deviation of the rate is 0.0036.
+  assert abs(empty / (2000 * len(blanks)) - 0.3) < 0.015
+  assert sudoku.unfilled_demonstration(EX, 0.0, rng) == sudoku.reference_completion(EX)
+  assert sudoku.unfilled_demonstration(EX, 1.0, rng) == f"<answer>{EX['puzzle']}</answer>"
+  assert sudoku.correctness(sudoku.unfilled_demonstration(EX, 1.0, rng), EX) == 0.0
+  with pytest.raises(ValueError, match="1.5"):
+    sudoku.unfilled_demonstration(EX, 1.5, rng)

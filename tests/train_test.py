@@ -285,3 +285,26 @@ def test_sft_puzzles_can_be_easier_than_rl_and_evaluation_puzzles(tmp_path):
   c.task.sft_blanks, c.eval.num_examples = 8, 17  # more than the 16 held-out puzzles generated
   with pytest.raises(ValueError, match="eval.num_examples"):
     config_lib.validate(c)
+
+
+def test_weaker_demonstrator_targets_depend_only_on_seed_step_and_global_row():
+  c = config_lib.base_config("sdar")
+  task = train.get_task("sudoku")
+  examples = [sudoku.generate(0, i, blanks=8) for i in range(8)]
+  full = train.sft_targets(c, task, examples, 3, 0)
+  # Two processes holding rows [0, 4) and [4, 8) build the same targets as one process.
+  assert full == (train.sft_targets(c, task, examples[:4], 3, 0)
+                  + train.sft_targets(c, task, examples[4:], 3, 4))
+  assert full != train.sft_targets(c, task, examples, 4, 0)
+  answers = [t[len("<answer>"):-len("</answer>")] for t in full]
+  assert all(a[i] in ("0", ex["solution"][i]) for a, ex in zip(answers, examples) for i in range(16))
+  assert 0 < sum(a.count("0") for a in answers) < sum(ex["puzzle"].count("0") for ex in examples)
+  references = [f"<answer>{ex['solution']}</answer>" for ex in examples]
+  c.task.sft_unfilled = 0.0
+  assert train.sft_targets(c, task, examples, 3, 0) == references
+  c.task.sft_unfilled, c.task.name = 0.5, "countdown"  # other tasks ignore it, like task.blanks
+  assert train.sft_targets(c, task, examples, 3, 0) == references
+  for value in (1.0, -0.1):
+    c.task.sft_unfilled, c.task.name = value, "sudoku"
+    with pytest.raises(ValueError, match="config.task.sft_unfilled="):
+      config_lib.validate(c)

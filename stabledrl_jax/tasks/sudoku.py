@@ -175,6 +175,17 @@ def reference_completion(example: base.Example) -> str:
   return f"<answer>{example['solution']}</answer>"
 
 
+def unfilled_demonstration(example: base.Example, unfilled: float, rng: np.random.Generator) -> str:
+  """A weaker demonstrator's answer: the solution with each blank cell of the puzzle left empty
+  (`0`) with probability `unfilled`; the given cells are always copied."""
+  if not 0 <= unfilled <= 1:
+    raise ValueError(f"unfilled must lie in [0, 1], got {unfilled}")
+  puzzle, solution = example["puzzle"], example["solution"]
+  empty = rng.random(len(puzzle)) < unfilled
+  answer = "".join("0" if p == "0" and e else s for p, s, e in zip(puzzle, solution, empty))
+  return f"<answer>{answer}</answer>"
+
+
 def from_csv_row(row: dict) -> dict:
   """d1's csv columns `Puzzle,Solution` -> an example dict, validated."""
   puzzle, solution = str(row["Puzzle"]).strip(), str(row["Solution"]).strip()
