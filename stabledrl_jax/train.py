@@ -501,6 +501,13 @@ def reference_model(model, path: str, *, fresh: bool) -> nnx.Module:
   return ref
 
 
+# Op by op, every jnp call on a multi-process array is its own SPMD program; dozens of small ones in
+# flight deadlocked a 2-process CPU (gloo) run once, each process blocked in a different op. So a
+# step's rollout statistics are one compiled program each.
+_advantages = jax.jit(losses.group_advantages, static_argnames=("group_size", "mode"))
+_step_diagnostics = jax.jit(diagnostics.step_diagnostics, static_argnames=("group_size", "ngram"))
+
+
 def rl_iteration(c, data: Data, model, ref_model, optimizer, key, obj: rl.Objective, group: int,
                  clip_epsilon: float | None = None, lr_scale: float = 1.0, rollout_mesh=None):
   """Rollouts -> rewards -> advantages -> behaviour log-probs -> μ optimiser steps."""
@@ -514,8 +521,7 @@ def rl_iteration(c, data: Data, model, ref_model, optimizer, key, obj: rl.Object
                      rows=rows, start=start, rollout_mesh=rollout_mesh)
   rewards = sharding.shard_batch(score(data, rollout, examples, data.reward_fn, start),
                                  sharding.model_mesh(model), rows=rows, start=start)
-  rewards = jnp.asarray(rewards)
-  adv = losses.group_advantages(rewards, group_size=group, mode=c.rl.advantage)
+  adv = _advantages(rewards, group_size=group, mode=c.rl.advantage)
   rl_batch, entropy = behaviour_pass(model, ref_model, likelihood.from_rollout(rollout), adv,
                                      k_mask, obj)
   eps = None if clip_epsilon is None else jnp.float32(clip_epsilon)
@@ -526,7 +532,7 @@ def rl_iteration(c, data: Data, model, ref_model, optimizer, key, obj: rl.Object
   record["skipped"] = int(sum(int(o["skipped"]) for o in outs))
   record["grad_norm_max"] = float(np.max([float(o["grad_norm"]) for o in outs]))  # nan if any is
   record["token_entropy"] = float(entropy)
-  record.update(diagnostics.to_floats(diagnostics.step_diagnostics(
+  record.update(diagnostics.to_floats(_step_diagnostics(
       rewards_B=rewards, group_size=group, mask_BxL=rollout.completion_mask_BxG,
       tokens_BxL=rollout.completion_BxG)))
   record["_tokens"] = int(jnp.sum(rollout.lengths_B))
