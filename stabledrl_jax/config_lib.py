@@ -282,7 +282,6 @@ def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
     c.model.remat = True
     c.task.name, c.task.source, c.task.source_dir = "gsm8k", "local", "../shared/data/gsm8k"
     c.task.prompt_style, c.task.chat, c.task.max_prompt_len = "plain", True, 512
-    c.task.sft_unfilled = 0.0
     c.sft.steps = 0
     c.rl.steps = 1000
     c.rl.lr, c.optim.decay_steps, c.optim.grad_clip = 2e-6, 2000, 0.2
