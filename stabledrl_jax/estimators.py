@@ -17,9 +17,11 @@ Schemes (SPEC §1):
                 tokens, n = number of counted tokens (LLaDA pretraining; E = log p(x)/n).
   stratified_l  mask exactly l of the R completion tokens, l stratified over the M samples;
                 weight R/l (LLaDA's low-variance estimator; E = log p(x)).
-  block_random  one completion block (containing counted tokens) chosen uniformly; earlier blocks
-                clean, later ones fully masked, k ~ U{1..n} of its n counted tokens masked;
-                weight = mean over masked counted tokens (SPG, the official StableDRL default).
+  block_random  one completion block holding counted tokens chosen per sample (`block_choice`);
+                earlier blocks clean, later ones fully masked, k ~ U{1..n} of its n counted
+                tokens masked; the earlier blocks are then noised like the prompt; weight =
+                mean over every masked counted token, whatever masked it (SPG, the official
+                StableDRL default, drawn as its code draws it).
   mean_field    every completion token masked; weight 1/n (d1's one-step estimate: mean log p).
   block_t       per completion block t_b ~ U(0,1), mask i.i.d. with p_b; weight 1/(p_b·n): the
                 random-t estimator per block, for block diffusion's one-pass staircase likelihood.
@@ -130,10 +132,11 @@ def sample_masks(
   elif scheme == "block_random":
     k_c, k_k, k_perm = jax.random.split(k_scheme, 3)
     block_BxL = jnp.where(completion, region_idx_BxL // block_size, -1)
+    n_blocks_B = (jnp.sum(completion, -1) + block_size - 1) // block_size
     # Blocks holding counted tokens (counted is a prefix of the region): 0 .. ceil(n/bs) - 1.
-    n_live_B = jnp.maximum((jnp.sum(counted, -1) + block_size - 1) // block_size, 1)
-    chosen_BxM = jnp.floor(jax.random.uniform(k_c, (b, m)) * n_live_B[:, None]).astype(jnp.int32)
-    chosen_BxMx1 = chosen_BxM[..., None]
+    n_live_B = (jnp.sum(counted, -1) + block_size - 1) // block_size
+    chosen_BxMx1 = block_choice(k_c, n_blocks_B, n_live_B, num_samples=m,
+                                max_blocks=l // block_size + 1)[..., None]
     block_1 = block_BxL[:, None, :]
     in_chosen = comp & (block_1 == chosen_BxMx1)
     # Uncounted (post-EOS) positions of the chosen block are masked like later blocks, so the k
@@ -142,8 +145,7 @@ def sample_masks(
     size_BxMx1 = jnp.maximum(jnp.sum(in_chosen & cnt, -1, keepdims=True), 1)
     k_BxMx1 = jnp.floor(jax.random.uniform(k_k, (b, m, 1)) * size_BxMx1) + 1
     noised = later | _random_subset(k_perm, in_chosen & cnt, k_BxMx1)
-    hit = noised & cnt
-    weight = jnp.where(hit, 1.0 / jnp.maximum(jnp.sum(hit, -1, keepdims=True), 1), 0.0)
+    weight = None  # after the prompt noise below, which also masks counted tokens
     clean_visible = comp & (block_1 < chosen_BxMx1)  # the earlier blocks: noised like the prompt
   else:  # mean_field
     noised = comp
@@ -153,7 +155,38 @@ def sample_masks(
   if p_mask_prompt > 0.0:
     extra = (prompt[:, None, :] | clean_visible) & (jax.random.uniform(k_prompt, (b, m, l)) < p_mask_prompt)
     noised = noised | extra
+  if scheme == "block_random":  # the mean over every masked counted token, noised ones included
+    hit = noised & cnt
+    weight = jnp.where(hit, 1.0 / jnp.maximum(jnp.sum(hit, -1, keepdims=True), 1), 0.0)
   return MaskSample(noised, weight.astype(jnp.float32))
+
+
+def block_choice(key: Array, n_blocks_B: Array, n_live_B: Array, *, num_samples: int,
+                 max_blocks: int) -> Array:
+  """`block_random`'s block per sample, `[B, M]` int32, drawn as the official StableDRL code does.
+
+  For a row with `N = n_blocks` completion blocks of which the first `n = n_live` hold counted
+  tokens, take a uniform random permutation `π` of `0..N-1`; sample `m` gets block
+  `π[m mod N] mod n`. So the `M` samples read `M` distinct entries of the permutation (all `N`
+  before any repeats), and:
+    - each sample's block `j` has probability `c_j / N`, `c_j = ⌊N/n⌋ + [j < N mod n]` (the
+      count of `0..N-1` congruent to `j` mod `n`): uniform only when `n` divides `N`
+      (3 live of 8: 3/8, 3/8, 2/8);
+    - two samples `m ≠ m'` (with `M ≤ N`) get blocks `(j, j')` with probability
+      `c_j (c_j' - [j = j']) / (N (N-1))`: with every block live they never share one
+      (independent uniform draws would share one with probability 1/n per pair).
+  `M > N` (which the official code does not allow) wraps around the permutation. Rows with no
+  block (`N = 0`) or no live block (`n = 0`) get block 0. `max_blocks` (static) bounds `N`.
+  """
+  b = n_blocks_B.shape[0]
+  n_blocks_B1 = jnp.maximum(n_blocks_B, 1)[:, None]
+  n_live_B1 = jnp.clip(n_live_B[:, None], 1, n_blocks_B1)
+  # Uniform scores, the row's N blocks first: argsort gives a uniform permutation of 0..N-1.
+  scores_BxNb = jax.random.uniform(key, (b, max_blocks))
+  scores_BxNb = jnp.where(jnp.arange(max_blocks)[None, :] < n_blocks_B1, scores_BxNb, 2.0)
+  perm_BxNb = jnp.argsort(scores_BxNb, axis=-1)
+  entry_BxM = jnp.arange(num_samples)[None, :] % n_blocks_B1
+  return (jnp.take_along_axis(perm_BxNb, entry_BxM, axis=-1) % n_live_B1).astype(jnp.int32)
 
 
 def sample_old_new_masks(

@@ -204,3 +204,65 @@ def test_adversarial_masks_easy_at_the_end_hard_everywhere():
   assert abs(float(jnp.mean(many)) - 0.7) < 0.03
   with pytest.raises(ValueError, match="fraction"):
     estimators.adversarial_masks(jax.random.key(0), completion, counted, num_samples=1, fraction=1.5)
+
+
+def _block_random_weights_by_definition(noised_BxMxL, counted_BxL):
+  """The block-random ELBO weight, token by token: 1/n on each of the n masked counted tokens of a
+  sample (whatever masked them: the chosen block, a later block or the `p_mask_prompt` noise)."""
+  noised, counted = np.asarray(noised_BxMxL), np.asarray(counted_BxL)
+  b, m, l = noised.shape
+  want = np.zeros((b, m, l))
+  for i in range(b):
+    for j in range(m):
+      hits = [t for t in range(l) if noised[i, j, t] and counted[i, t]]
+      for t in hits:
+        want[i, j, t] = 1.0 / len(hits)
+  return want
+
+
+def test_block_random_weighs_every_masked_counted_token_including_noised_earlier_blocks():
+  # The smallest case: all of the completion counted, every earlier-block token noised.
+  s = estimators.sample_masks(jax.random.key(0), jnp.ones((1, 8), bool), scheme="block_random",
+                              num_samples=1, block_size=2, p_mask_prompt=1.0)
+  noised = np.asarray(s.noised_BxMxL)
+  np.testing.assert_allclose(s.weight_BxMxL, noised / noised.sum())
+  # Random rows, prompts and lengths, the official noise rate.
+  completion, counted, prompt = _rows([16, 5, 12, 9], total=24, prompt_len=4)
+  for seed in range(3):
+    s = estimators.sample_masks(jax.random.key(seed), completion, counted_BxL=counted,
+                                prompt_BxL=prompt, scheme="block_random", num_samples=4,
+                                block_size=4, p_mask_prompt=0.5)
+    np.testing.assert_allclose(s.weight_BxMxL,
+                               _block_random_weights_by_definition(s.noised_BxMxL, counted),
+                               rtol=1e-6)
+
+
+def _chosen_blocks(n_rows, n_live, *, n_blocks=8, bs=2, num_samples=2, seed=0):
+  """The block each `block_random` sample chose, read off its mask: the first noised block."""
+  completion, counted, _ = _rows([n_live * bs - 1] * n_rows, total=n_blocks * bs, prompt_len=0)
+  s = estimators.sample_masks(jax.random.key(seed), completion, counted_BxL=counted,
+                              scheme="block_random", num_samples=num_samples, block_size=bs)
+  noised = np.asarray(s.noised_BxMxL).reshape(n_rows, num_samples, n_blocks, bs)
+  return noised.any(-1).argmax(-1)  # [rows, M]
+
+
+def test_block_random_chooses_blocks_as_the_official_permutation_modulo_live_blocks():
+  # Exact law, by enumeration: the two samples take two distinct entries (i, i') of a uniform
+  # permutation of the 8 blocks, each reduced modulo the number of live blocks.
+  n_rows = 20000
+  for n_live in (3, 8):
+    pairs = [(i % n_live, k % n_live) for i in range(8) for k in range(8) if i != k]
+    joint = np.zeros((n_live, n_live))
+    for a, c in pairs:
+      joint[a, c] += 1 / len(pairs)
+    chosen = _chosen_blocks(n_rows, n_live)
+    got = np.zeros((n_live, n_live))
+    np.add.at(got, (chosen[:, 0], chosen[:, 1]), 1 / n_rows)
+    tol = 4 * np.sqrt(joint * (1 - joint) / n_rows) + 1e-12
+    assert np.all(np.abs(got - joint) <= tol), (n_live, got, joint)
+    for m in range(2):
+      marginal = np.bincount(chosen[:, m], minlength=n_live) / n_rows
+      np.testing.assert_allclose(marginal, joint.sum(1), atol=4 * np.sqrt(0.25 / n_rows))
+    if n_live == 3:
+      np.testing.assert_allclose(joint.sum(1), [.375, .375, .25])  # the law, not uniform
+  assert not np.any(chosen[:, 0] == chosen[:, 1])  # 8 live of 8: never the same block
