@@ -327,7 +327,10 @@ def eubo(
 
   `t̂` is the fraction of counted completion tokens masked in that sample. Computed in log space;
   the token mean runs over counted positions masked in at least one of the `M` samples (a token
-  never masked has no estimate).
+  never masked has no estimate). A token the model finds nearly impossible counts like any other:
+  the official code forms `p^β` in float32 and drops tokens where it underflows to 0 (log p below
+  about -69 at β = 1.5), which moves the bound up and makes it jump as a token crosses that line;
+  here the log-space sum keeps them, as the definition does.
   """
   masked = masked.astype(bool) & counted.astype(bool)[:, None, :]
   n_counted_B1 = jnp.maximum(jnp.sum(counted, axis=-1, keepdims=True), 1).astype(jnp.float32)

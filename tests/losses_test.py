@@ -333,6 +333,28 @@ def test_eubo_matches_numpy_and_upper_bounds_elbo_on_a_toy():
   assert np.all(np.isfinite(g))
 
 
+def test_eubo_keeps_tokens_whose_p_beta_underflows_float32():
+  # Token 2 has log p = -80: p^1.5 = e^-120 is 0 in float32 (the official code drops such a
+  # token), not in float64. The definition keeps it; so does losses.eubo.
+  beta = 1.5
+  logp = np.array([[[-0.5, -2.0, -80.0, -1.0], [-0.7, -1.5, -80.0, -3.0]]])
+  masked = np.array([[[True, False, True, True], [True, True, True, False]]])
+  counted = np.ones((1, 4), bool)
+  assert np.float32(np.exp(np.float32(beta * -80.0))) == 0.0
+  t_hat = masked[0].sum(-1) / 4.0
+  per_token = [np.log(np.mean([np.exp(beta * logp[0, s, j]) / t_hat[s] if masked[0, s, j] else 0.0
+                               for s in range(2)])) for j in range(4)]
+  want = np.mean(per_token) / beta
+  dropped = np.mean([v for j, v in enumerate(per_token) if j != 2]) / beta
+  got = float(losses.eubo(jnp.asarray(logp, jnp.float32), jnp.asarray(masked), jnp.asarray(counted),
+                          beta=beta)[0])
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  assert abs(got - dropped) > 10  # keeping the token matters
+  g = jax.grad(lambda x: jnp.sum(losses.eubo(x, jnp.asarray(masked), jnp.asarray(counted))))(
+      jnp.asarray(logp, jnp.float32))
+  np.testing.assert_allclose(g[0, :, 2], [0.125, 0.125], rtol=1e-5)  # d/dlogp: (1/4 tokens)·share 1/2
+
+
 def test_spg_surrogate_and_loss_match_numpy():
   adv = np.array([1.0, -0.5, 0.0, 2.0])
   elbo = np.array([-1.0, -2.0, -3.0, -0.5])
