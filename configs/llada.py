@@ -13,7 +13,7 @@ from stabledrl_jax import config_lib
 def get_config(preset: str = "tiny"):
   c = config_lib.base_config("llada")
   config_lib.apply_preset(c, preset)
-  if preset == "8b":
+  if preset in ("8b", "8b_official"):
     c.model.preset = "llada_8b"
     c.sampler.block_length = 32
     c.sampler.steps = 128  # rollouts: gen 256, block 32, 128 steps (SPEC §6)
