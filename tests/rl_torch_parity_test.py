@@ -64,6 +64,10 @@ def _seqs(seed):
                               as_j(counted))
 
 
+_behaviour = nnx.jit(rl.behaviour_logp, static_argnames="obj")  # jitted: eager is slower
+_draw = jax.jit(rl.draw_masks, static_argnames="obj")
+
+
 def _named(m):
   """Every parameter of the model by a flat name, float64 NumPy."""
   out = {"embed": m.embed.embedding, "final_norm": m.final_norm.scale, "head": m.head.kernel}
@@ -86,8 +90,12 @@ def _project_step(model, loss_fn, grad_clip):
   o = ml_collections.ConfigDict(dict(b1=B1, b2=B2, weight_decay=WD, grad_clip=grad_clip,
                                      decay_steps=0))
   tx = train.make_optimizer(LR, 0, 100, o)
-  updates, _ = tx.update(grads, tx.init(params), params)
-  new = optax.apply_updates(params, updates)
+
+  @jax.jit
+  def step(grads, params):
+    return optax.apply_updates(params, tx.update(grads, tx.init(params), params)[0])
+
+  new = step(grads, params)
   return _named(nnx.merge(graphdef, grads, rest)), _named(nnx.merge(graphdef, new, rest))
 
 
@@ -258,10 +266,10 @@ def test_one_rl_update_matches_torch_autograd(family):
   }
   for seed, (name, obj) in enumerate(objectives.items()):
     k_old, k_new = jax.random.split(jax.random.key(10 + seed))
-    masks, logp_old, _, _ = rl.behaviour_logp(old, seqs, k_old, obj)
+    masks, logp_old, _, _ = _behaviour(old, seqs, k_old, obj)
     batch = rl.RLBatch(seqs, adv, masks.noised_BxMxL, masks.weight_BxMxL, logp_old,
                        jnp.zeros_like(logp_old))
-    new = rl.draw_masks(k_new, seqs, obj) if obj.coupling == "independent" else masks
+    new = _draw(k_new, seqs, obj) if obj.coupling == "independent" else masks
     lp_old = _t_logp(w_old, cfg, family, seqs, masks.noised_BxMxL)
     np.testing.assert_allclose(logp_old, lp_old.numpy(), rtol=1e-4, atol=1e-4)  # the forward
 
