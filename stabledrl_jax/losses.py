@@ -113,7 +113,9 @@ def snis_clip_loss(
   `-Σ_j α_j A_j ∇surrogate_j` is a convex combination per group, so its norm never exceeds
   `max_j |A_j| ‖∇surrogate_j‖` for any ratios. Inputs are `[B]`; rows where `valid` is False
   drop out of the softmax and the loss, and groups with no valid row out of the mean. All math is
-  float32 whatever the input dtype; the loss is finite for any finite `log_ratio`.
+  float32 whatever the input dtype; the loss is finite for any finite `log_ratio`. (The official
+  StableDRL code normalises over a process's whole micro-batch instead; with one prompt per
+  micro-batch, as its config sets, that is the group.)
 
   Metrics: `clip_fraction` (valid rows whose log ratio lay outside the bounds),
   `log10_ratio_max`, `log10_ratio_mean` (log10 of the largest / mean unclipped ratio),
