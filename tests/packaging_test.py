@@ -1,0 +1,82 @@
+"""Every third-party module the package imports is declared in requirements.txt (and so in
+pyproject.toml, which reads it): a fresh `pip install .` must give a working package."""
+import ast
+import importlib.metadata
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "stabledrl_jax"
+
+# Import name -> distribution name, for modules not installed here (installed ones are looked up).
+KNOWN = {"absl": "absl-py", "ml_collections": "ml-collections", "orbax": "orbax-checkpoint",
+         "tensorflow_datasets": "tensorflow-datasets", "math_verify": "math-verify",
+         "tensorboardX": "tensorboardx", "jinja2": "jinja2", "ml_dtypes": "ml-dtypes"}
+
+
+def normalise(name: str) -> str:
+  return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def declared(path: Path) -> set[str]:
+  """Distribution names of a requirements file (extras and version bounds dropped)."""
+  names = set()
+  for line in path.read_text().splitlines():
+    line = line.split("#", 1)[0].strip()
+    if line and not line.startswith("-"):
+      names.add(normalise(re.split(r"[\[<>=!~;\s]", line, maxsplit=1)[0]))
+  return names
+
+
+def imported_modules(package: Path) -> dict[str, str]:
+  """Top-level third-party module -> the first file importing it (function-level imports too)."""
+  found: dict[str, str] = {}
+  for path in sorted(package.rglob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        names = [node.module]
+      else:
+        continue
+      for name in names:
+        top = name.split(".")[0]
+        if top not in sys.stdlib_module_names and top != package.name:
+          found.setdefault(top, str(path.relative_to(package.parent)))
+  return found
+
+
+def distributions(module: str) -> set[str]:
+  dists = importlib.metadata.packages_distributions().get(module, [])
+  return {normalise(d) for d in dists} | ({normalise(KNOWN[module])} if module in KNOWN else set())
+
+
+def undeclared(package: Path, requirements: Path) -> list[str]:
+  names = declared(requirements)
+  return sorted(f"{module} (imported by {where})" for module, where in imported_modules(package).items()
+                if not distributions(module) & names)
+
+
+def test_every_import_of_the_package_is_declared():
+  assert undeclared(PACKAGE, ROOT / "requirements.txt") == []
+
+
+def test_an_undeclared_import_is_caught(tmp_path):
+  package = tmp_path / "pkg"
+  package.mkdir()
+  (package / "a.py").write_text("import os\nimport numpy as np\n\ndef f():\n  from jinja2 import Template\n")
+  requirements = tmp_path / "requirements.txt"
+  requirements.write_text("numpy>=1.26,<3  # arrays\n")
+  assert undeclared(package, requirements) == ["jinja2 (imported by pkg/a.py)"]
+  requirements.write_text("numpy>=1.26\nJinja2[i18n]>=3\n")
+  assert undeclared(package, requirements) == []
+
+
+def test_pyproject_reads_its_dependencies_from_requirements():
+  tomllib = pytest.importorskip("tomllib")
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+  assert "dependencies" in project["project"]["dynamic"]
+  assert project["tool"]["setuptools"]["dynamic"]["dependencies"]["file"] == ["requirements.txt"]
