@@ -350,10 +350,11 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     sharding.replicate_rest(optimizer, sharding.model_mesh(model))
     return optimizer
 
+  # The tuning guidance is for pretrained checkpoints, not the tiny from-scratch runs.
   for warning in controls.config_warnings(
       lr=c.rl.lr, group_size=group, epsilon=c.rl.epsilon, max_ratio=c.rl.max_ratio or None,
       block_length=c.model.block_size if staircase else c.sampler.block_length,
-      block_diffusion=staircase):
+      block_diffusion=staircase) if c.model.checkpoint else ():
     distributed.log(f"warning: {warning}")
   monitor = controls.StabilityMonitor(controls.MonitorConfig(**c.stability.to_dict()))
   step_controls = controls.StepControls(

@@ -190,3 +190,39 @@ def test_completions_are_cut_at_eos():
 def test_built_without_tensorflow(sudoku_train):
   # Runs after the builders above: preparing and reading never imported TensorFlow.
   assert "tensorflow" not in sys.modules
+
+
+def test_generated_tasks_are_in_memory_in_the_order_tfds_wrote(tmp_path, capfd):
+  # The in-memory source keeps the examples and order of the TFDS builder it replaced: a builder
+  # over the same generator, written here, is the reference.
+  import tensorflow_datasets as tfds
+
+  class ReferenceSudoku(tfds.core.GeneratorBasedBuilder):
+    VERSION = tfds.core.Version("1.0.0")
+
+    def _info(self):
+      text = tfds.features.Text()
+      return tfds.core.DatasetInfo(builder=self,
+                                   features=tfds.features.FeaturesDict({"puzzle": text, "solution": text}))
+
+    def _split_generators(self, dl_manager):
+      return {split: self._generate_examples(split) for split in ("train", "test")}
+
+    def _generate_examples(self, split):
+      n = 40 if split == "train" else 6
+      yield from enumerate(sudoku.generate_many(n, 3, split=split, blanks=5, split_seed=0, num_test=88))
+
+  tfds.disable_progress_bar()
+  builder = ReferenceSudoku(data_dir=str(tmp_path / "ref"), file_format="array_record")
+  builder.download_and_prepare()
+  capfd.readouterr()
+  for split in ("train", "test"):
+    ref = builder.as_data_source(split=split)
+    expected = [datasets.decode_example(ref[i]) for i in range(len(ref))]
+    got = datasets.load_source("sudoku", split, data_dir=tmp_path / "ours", num_train=40, num_test=6,
+                               blanks=5, seed=3)
+    assert got == expected
+  out = capfd.readouterr()
+  assert "Downloading and preparing" not in out.out + out.err
+  assert "custom data configuration" not in out.out + out.err
+  assert not (tmp_path / "ours").exists()  # nothing written

@@ -1,15 +1,15 @@
-"""TFDS dataset builders (array_record files, no TensorFlow) for the four tasks.
+"""Data sources of the tasks: in memory for generated ones, TFDS builders over local files.
 
-Generated tasks (Countdown, Sudoku) are built from their seeded generators; GSM8K, MATH500 and
-d1's Countdown/Sudoku test files are built from local files (paths come from the config; nothing
-is downloaded). `load_source(...)` prepares a builder once under `data_dir` and returns a
-random-access data source of decoded example dicts for Grain.
+Generated tasks (Countdown, Sudoku) come from their seeded generators, in memory; GSM8K, MATH500
+and d1's Countdown/Sudoku test files are TFDS builders (array_record files, no TensorFlow) over
+local files (paths come from the config; nothing is downloaded). `load_source(...)` returns a
+random-access source of example dicts for Grain (a file builder is prepared once under
+`data_dir`).
 """
 
 from __future__ import annotations
 
 import csv
-import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from fractions import Fraction
@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import tensorflow_datasets as tfds
+from tensorflow_datasets.core import hashing as tfds_hashing
 
 from stabledrl_jax.tasks import countdown, gsm8k, math500, sudoku
 
@@ -58,78 +59,40 @@ def _countdown_features() -> tfds.features.FeaturesDict:
   )
 
 
-@dataclasses.dataclass
-class CountdownConfig(tfds.core.BuilderConfig):
-  num_train: int = 10_000
-  num_test: int = 256
-  seed: int = 0
-  target_min: int = 1
-  target_max: int = 100
+# Generated tasks live in memory (a few thousand small dicts): no files, no TFDS preparation.
+# Their order is the one the TFDS builders they replace wrote (records sorted by TFDS's salted
+# hash of their index), so the same seed gives the same examples in the same order as before.
+GENERATOR_DEFAULTS = {
+    "countdown": dict(num_train=10_000, num_test=256, seed=0, target_min=1, target_max=100),
+    "sudoku": dict(num_train=10_000, num_test=500, blanks=8, seed=0, split_seed=0,
+                   num_test_grids=88),
+}
 
 
-class GeneratedCountdown(tfds.core.GeneratorBasedBuilder):
-  """Countdown from the seeded generator; train and test streams use different seeds."""
+def generated_examples(task: str, split: str, **config: Any) -> list[dict]:
+  """`split` ("train" or "test") of a generated task; `config` overrides GENERATOR_DEFAULTS.
 
-  VERSION = _VERSION
-  BUILDER_CONFIGS = [CountdownConfig(name="default")]
-
-  def _info(self) -> tfds.core.DatasetInfo:
-    return tfds.core.DatasetInfo(builder=self, features=_countdown_features())
-
-  def _split_generators(self, dl_manager):
-    c = self.builder_config
-    return {
-        "train": self._generate_examples(c.num_train, 2 * c.seed),
-        "test": self._generate_examples(c.num_test, 2 * c.seed + 1),
-    }
-
-  def _generate_examples(self, n: int, seed: int):
-    c = self.builder_config
-    for i, ex in enumerate(countdown.generate_many(n, seed, (c.target_min, c.target_max))):
-      yield i, ex
-
-
-@dataclasses.dataclass
-class SudokuConfig(tfds.core.BuilderConfig):
-  num_train: int = 10_000
-  num_test: int = 500
-  blanks: int = 8
-  seed: int = 0
-  split_seed: int = 0  # which grids are held out
-  num_test_grids: int = 88
-
-
-class GeneratedSudoku(tfds.core.GeneratorBasedBuilder):
-  """4x4 Sudoku from the generator; test puzzles come only from held-out solution grids."""
-
-  VERSION = _VERSION
-  BUILDER_CONFIGS = [SudokuConfig(name="default")]
-
-  def _info(self) -> tfds.core.DatasetInfo:
-    return tfds.core.DatasetInfo(
-        builder=self, features=tfds.features.FeaturesDict({"puzzle": _TEXT(), "solution": _TEXT()})
-    )
-
-  def _split_generators(self, dl_manager):
-    c = self.builder_config
-    return {
-        "train": self._generate_examples("train", c.num_train),
-        "test": self._generate_examples("test", c.num_test),
-    }
-
-  def _generate_examples(self, split: str, n: int):
-    c = self.builder_config
-    for i, ex in enumerate(
-        sudoku.generate_many(
-            n,
-            c.seed,
-            split=split,
-            blanks=c.blanks,
-            split_seed=c.split_seed,
-            num_test=c.num_test_grids,
-        )
-    ):
-      yield i, ex
+  Countdown's train and test streams use different seeds; Sudoku's test puzzles come only from
+  held-out solution grids.
+  """
+  if task not in GENERATOR_DEFAULTS:
+    raise ValueError(f"task {task!r} has no generator; use source='local'")
+  unknown = sorted(set(config) - set(GENERATOR_DEFAULTS[task]))
+  if unknown:
+    raise ValueError(f"unknown generator setting(s) {unknown} for {task}")
+  if split not in ("train", "test"):
+    raise ValueError(f"unknown split {split!r} of generated {task}; expected 'train' or 'test'")
+  c = {**GENERATOR_DEFAULTS[task], **config}
+  n = c["num_train"] if split == "train" else c["num_test"]
+  if task == "countdown":
+    seed = 2 * c["seed"] + (split == "test")
+    examples = list(countdown.generate_many(n, seed, (c["target_min"], c["target_max"])))
+  else:
+    examples = list(sudoku.generate_many(n, c["seed"], split=split, blanks=c["blanks"],
+                                         split_seed=c["split_seed"], num_test=c["num_test_grids"]))
+  hasher = tfds_hashing.Hasher(salt=split)
+  order = sorted(range(n), key=hasher.hash_key)
+  return [examples[i] for i in order]
 
 
 class _LocalFileBuilder(tfds.core.GeneratorBasedBuilder):
@@ -268,26 +231,18 @@ def make_builder(
     task: str,
     *,
     data_dir: str | Path,
-    source: str = "generated",
+    source: str = "local",
     source_dir: str | Path | None = None,
     **config: Any,
 ) -> tfds.core.DatasetBuilder:
-  """The builder for `task` ("countdown", "sudoku", "gsm8k", "math500").
+  """The file builder for `task` ("countdown", "sudoku", "gsm8k", "math500").
 
-  `source` is "generated" (countdown/sudoku, with `config` overriding the generator settings),
-  "local" (files in `source_dir`: the task's folder under `../shared/data`), or "public"
-  (gsm8k only, needs the network).
+  `source` is "local" (the task's files in `source_dir`) or "public" (gsm8k only, needs the
+  network); generated tasks have no builder (`generated_examples`).
   """
   kwargs = dict(data_dir=str(data_dir), file_format="array_record")
-  if config and source != "generated":
+  if config:
     raise ValueError(f"generator settings {sorted(config)} given for source={source!r}")
-  if source == "generated":
-    if task == "countdown":
-      cfg = CountdownConfig(name=_config_name(config), **config)
-      return GeneratedCountdown(config=cfg, **kwargs)
-    if task == "sudoku":
-      return GeneratedSudoku(config=SudokuConfig(name=_config_name(config), **config), **kwargs)
-    raise ValueError(f"task {task!r} has no generator; use source='local'")
   if source == "local":
     if source_dir is None:
       raise ValueError("source='local' needs source_dir")
@@ -305,14 +260,16 @@ def make_builder(
   raise ValueError(f"unknown source {source!r} for task {task!r}")
 
 
-def _config_name(config: dict) -> str:
-  # Each distinct generator setting gets its own directory, so a cache is never stale.
-  return "_".join(f"{k}{v}" for k, v in sorted(config.items())) or "default"
+def load_source(task: str, split: str, *, source: str = "generated", data_dir: str | Path = "",
+                **kwargs: Any) -> Any:
+  """`split` of `task` as a random-access source of example dicts for Grain.
 
-
-def load_source(task: str, split: str, **kwargs: Any) -> DecodedSource:
-  """Prepares (once) and opens `split` of `task` as a random-access source for Grain."""
+  Generated tasks (`source="generated"`, `kwargs` overriding the generator settings) are built in
+  memory; file sources prepare their TFDS builder once under `data_dir`.
+  """
+  if source == "generated":
+    return generated_examples(task, split, **kwargs)
   tfds.disable_progress_bar()
-  builder = make_builder(task, **kwargs)
+  builder = make_builder(task, data_dir=data_dir, source=source, **kwargs)
   builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
   return DecodedSource(builder.as_data_source(split=split))
