@@ -12,7 +12,7 @@ import ml_collections
 
 OBJECTIVES = ("stabledrl", "stabledrl_spg", "grpo", "espo", "spg", "wd1", "spg_is")
 SCHEMES = ("random_t", "stratified_l", "block_random", "mean_field", "block_t")
-TASKS = ("countdown", "sudoku", "gsm8k", "math500")
+TASKS = ("countdown", "sudoku", "gsm8k", "math500", "jsonl")  # or an import path pkg.mod:TASK
 
 
 def base_config(family: str) -> ml_collections.ConfigDict:
@@ -35,7 +35,7 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.model.remat = False
 
   c.task = ml_collections.ConfigDict()
-  c.task.name = "sudoku"
+  c.task.name = "sudoku"         # a built-in task, "jsonl", or a Task's import path pkg.mod:NAME
   c.task.source = "generated"   # "generated" (Countdown/Sudoku) or "local" (files in source_dir)
   c.task.source_dir = ""        # e.g. ../shared/data/gsm8k
   c.task.data_dir = ""          # TFDS array_record cache; "" = WORKDIR/data
@@ -50,6 +50,9 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.task.prompt_style = "compact"  # "compact" (tiny models) or "plain" (pretrained models)
   c.task.chat = False           # wrap plain prompts in the tokenizer's chat template
   c.task.reward_weights = ml_collections.ConfigDict({"correctness": 1.0})
+  c.task.prompt_field = "question"  # jsonl: the prompt's key in each record
+  c.task.answer_field = "answer"    # jsonl: the gold answer's key
+  c.task.checker = "number"         # jsonl: number | math | import path of a reward function
 
   c.sft = ml_collections.ConfigDict()
   c.sft.steps = 300 if family == "sdar" else 700  # full attention learns Sudoku more slowly
@@ -161,8 +164,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
 
   if c.family not in ("llada", "sdar"):
     bad("family", "expected 'llada' or 'sdar'")
-  if c.task.name not in TASKS:
-    bad("task.name", f"expected one of {TASKS}")
+  if c.task.name not in TASKS and ":" not in c.task.name:
+    bad("task.name", f"expected one of {TASKS} or an import path 'package.module:NAME'")
+  from stabledrl_jax import tasks  # resolves import paths and checkers: one-line errors
+  if c.sft.steps and tasks.from_config(c.task).reference_completion is None:
+    bad("sft.steps", f"task {c.task.name!r} has no reference_completion to train on; set 0")
   if c.rl.objective not in OBJECTIVES:
     bad("rl.objective", f"expected one of {OBJECTIVES}")
   for key in ("sft.scheme", "rl.scheme"):

@@ -22,6 +22,7 @@ from jax.experimental import multihost_utils
 
 from stabledrl_jax import (checkpointing, config_lib, controls, diagnostics, distributed, flops,
                            likelihood, losses, metrics, models, rl, samplers, sharding)
+from stabledrl_jax import tasks
 from stabledrl_jax.tasks import datasets, get_task, pipeline, sudoku
 from stabledrl_jax.tasks.tokenizer import CharTokenizer, HFTokenizer
 
@@ -233,7 +234,7 @@ def process_rows(c: ml_collections.ConfigDict, mesh) -> tuple[tuple[int, int], t
 def build_data(c: ml_collections.ConfigDict, tokenizer, workdir: str, mesh=None) -> Data:
   """Tasks and this process's data iterators (`mesh`: the run's, which decides the rows)."""
   sft_rows, rl_rows = process_rows(c, mesh)
-  task = get_task(c.task.name)
+  task = tasks.from_config(c.task)
   reward_fn = task.reward_fn(dict(c.task.reward_weights))
   kwargs: dict[str, Any] = dict(data_dir=c.task.data_dir or os.path.join(workdir, "data"),
                                 source=c.task.source)
@@ -249,9 +250,9 @@ def build_data(c: ml_collections.ConfigDict, tokenizer, workdir: str, mesh=None)
   several = jax.process_count() > 1
   if several and not distributed.is_main():
     multihost_utils.sync_global_devices("stabledrl_jax: data prepared")
-  train = datasets.load_source(c.task.name, "train", **kwargs)
-  test = datasets.load_source(c.task.name, "test", **kwargs)
-  sft_train = train if sft_kwargs == kwargs else datasets.load_source(c.task.name, "train", **sft_kwargs)
+  train = datasets.load_source(task, "train", **kwargs)
+  test = datasets.load_source(task, "test", **kwargs)
+  sft_train = train if sft_kwargs == kwargs else datasets.load_source(task, "train", **sft_kwargs)
   if several and distributed.is_main():
     multihost_utils.sync_global_devices("stabledrl_jax: data prepared")
   common = dict(max_prompt_len=c.task.max_prompt_len, style=c.task.prompt_style, chat=c.task.chat,

@@ -1,13 +1,18 @@
-"""Tasks of the paper (SPEC §7): prompts, answer extraction, graders, data.
+"""Tasks: prompts, answer extraction, graders, data (docs/method.md, "Tasks and rewards").
 
 task = get_task("countdown")
 reward = task.reward_fn({"correctness": 1.0, "format": 0.1})
 reward(completion, {"numbers": [3, 5, 7], "target": 22})
+
+A task defined outside the package is named by its import path, `get_task("my_pkg.my_tasks:TASK")`
+(a `Task`, see `base.Task`); `jsonl` is the generic task over the user's JSONL files (`jsonl.py`).
 """
 
 from __future__ import annotations
 
-from stabledrl_jax.tasks import countdown, gsm8k, math500, sudoku
+from typing import Any
+
+from stabledrl_jax.tasks import countdown, gsm8k, jsonl, math500, sudoku
 from stabledrl_jax.tasks.base import Example, RewardFn, Task, weighted_reward
 
 TASKS: dict[str, Task] = {
@@ -16,10 +21,25 @@ TASKS: dict[str, Task] = {
 
 
 def get_task(name: str) -> Task:
+  """A built-in task by name, or a `Task` from an import path `package.module:NAME`."""
+  if ":" in name:
+    task = jsonl.load_object(name, "config.task.name")
+    if not isinstance(task, Task):
+      raise ValueError(f"config.task.name={name!r}: {type(task).__name__} is not a "
+                       "stabledrl_jax.tasks.Task")
+    return task
   try:
     return TASKS[name]
   except KeyError:
-    raise KeyError(f"unknown task {name!r}; available: {sorted(TASKS)}") from None
+    raise KeyError(f"unknown task {name!r}; available: {sorted(TASKS)}, 'jsonl' or an import "
+                   "path 'package.module:NAME'") from None
 
 
-__all__ = ["Example", "RewardFn", "TASKS", "Task", "get_task", "weighted_reward"]
+def from_config(task_config: Any) -> Task:
+  """The task of a run's `config.task` (the `jsonl` task is built from its fields there)."""
+  if task_config.name == "jsonl":
+    return jsonl.make_task(task_config.prompt_field, task_config.answer_field, task_config.checker)
+  return get_task(task_config.name)
+
+
+__all__ = ["Example", "RewardFn", "TASKS", "Task", "from_config", "get_task", "weighted_reward"]

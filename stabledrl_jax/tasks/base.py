@@ -60,6 +60,11 @@ class Task:
   default_weights: Mapping[str, float] = dataclasses.field(
       default_factory=lambda: {"correctness": 1.0}
   )
+  # Data of tasks defined outside the package (built-in tasks have theirs in `datasets`):
+  # `generate(split, n, seed)` -> n examples of "train" or "test" (task.source='generated');
+  # `from_record(record)` -> the example of one JSONL record (task.source='local'; default: as is).
+  generate: Callable[[str, int, int], Sequence[Example]] | None = None
+  from_record: Callable[[dict], Example] | None = None
 
   @property
   def rewards(self) -> dict[str, RewardFn]:

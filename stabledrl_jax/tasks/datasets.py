@@ -20,7 +20,8 @@ import numpy as np
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core import hashing as tfds_hashing
 
-from stabledrl_jax.tasks import countdown, gsm8k, math500, sudoku
+from stabledrl_jax.tasks import TASKS as BUILT_IN
+from stabledrl_jax.tasks import base, countdown, gsm8k, math500, sudoku
 
 _TEXT = tfds.features.Text
 _VERSION = tfds.core.Version("1.0.0")
@@ -260,13 +261,35 @@ def make_builder(
   raise ValueError(f"unknown source {source!r} for task {task!r}")
 
 
-def load_source(task: str, split: str, *, source: str = "generated", data_dir: str | Path = "",
-                **kwargs: Any) -> Any:
-  """`split` of `task` as a random-access source of example dicts for Grain.
+def task_examples(task: base.Task, split: str, *, source: str, source_dir: str | Path = "",
+                  num_train: int = 0, num_test: int = 0, seed: int = 0) -> list[dict]:
+  """`split` of a task defined outside the package (or `jsonl`), in memory: its `generate`
+  (source 'generated') or `source_dir/{split}.jsonl` through its `from_record` (source 'local')."""
+  if source == "generated":
+    if task.generate is None:
+      raise ValueError(f"config.task.source='generated': task {task.name!r} has no generate(); "
+                       "set task.source=local and task.source_dir to its JSONL files")
+    return [dict(ex) for ex in task.generate(split, num_train if split == "train" else num_test, seed)]
+  if source != "local":
+    raise ValueError(f"config.task.source={source!r}: task {task.name!r} reads 'generated' or 'local'")
+  path = Path(source_dir) / f"{split}.jsonl"
+  if not path.is_file():
+    raise FileNotFoundError(f"{task.name}: missing data file {path} (config.task.source_dir)")
+  return list(read_jsonl(path, task.from_record or dict))
+
+
+def load_source(task: str | base.Task, split: str, *, source: str = "generated",
+                data_dir: str | Path = "", **kwargs: Any) -> Any:
+  """`split` of `task` (a built-in's name, or a `Task`) as a random-access source for Grain.
 
   Generated tasks (`source="generated"`, `kwargs` overriding the generator settings) are built in
-  memory; file sources prepare their TFDS builder once under `data_dir`.
+  memory, as are tasks defined outside the package (`task_examples`); the built-in tasks' files
+  are TFDS builders, prepared once under `data_dir`.
   """
+  if not isinstance(task, str):
+    if BUILT_IN.get(task.name) is not task:
+      return task_examples(task, split, source=source, **kwargs)
+    task = task.name
   if source == "generated":
     return generated_examples(task, split, **kwargs)
   tfds.disable_progress_bar()
