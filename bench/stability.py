@@ -1,12 +1,12 @@
 """Stability under estimation noise: StableDRL against GRPO, ESPO and SPG with plain importance
-weights, on the same SFT model, prompts and seeds (SPEC §8). One command:
+weights, on the same SFT model, prompts and seeds (docs/method.md §8). One command:
 
   .venv/bin/python bench/stability.py --config=configs/sdar.py
 
 First the main command's SFT stage runs once (`--config.rl.steps=0`, in ROOT/sft); then, for each
 objective, RL starts from a copy of that checkpoint under two noise regimes:
   realistic    independent masks for the old and the new policy, one Monte Carlo sample;
-  adversarial  the same, plus SPEC §8's ratio explosion on 70% of the rollouts
+  adversarial  the same, plus docs/method.md §8's ratio explosion on 70% of the rollouts
                (`--config.rl.adversarial=0.7`: easy masks for the new policy, hard for the old).
 Every run is `python -m stabledrl_jax.main` in its own workdir (a finished run is read back, an
 interrupted one resumes). Prints a table per regime (explosion rate = fraction of RL steps whose

@@ -16,6 +16,6 @@ def get_config(preset: str = "tiny"):
   if preset in ("8b", "8b_official"):
     c.model.preset = "llada_8b"
     c.sampler.block_length = 32
-    c.sampler.steps = 128  # rollouts: gen 256, block 32, 128 steps (SPEC §6)
+    c.sampler.steps = 128  # rollouts: gen 256, block 32, 128 steps (docs/method.md §6)
   c.lock()
   return c

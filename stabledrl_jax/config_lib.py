@@ -81,7 +81,7 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.rl.advantage = "mean"       # mean | mean_std | leave_one_out
   c.rl.spg_omega = 0.5
   c.rl.spg_beta = 1.5
-  c.rl.adversarial = 0.0        # > 0: SPEC §8 ratio explosion on this fraction of rollouts (0.7)
+  c.rl.adversarial = 0.0        # > 0: docs/method.md §8 ratio explosion on this fraction of rollouts (0.7)
 
   c.optim = ml_collections.ConfigDict()
   c.optim.b1 = 0.9
@@ -103,7 +103,7 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.eval.num_examples = 256
   c.eval.batch_size = 128
 
-  # Stability detectors (SPEC §8, `controls.MonitorConfig`): events go to metrics.jsonl and the
+  # Stability detectors (docs/method.md §8, `controls.MonitorConfig`): events go to metrics.jsonl and the
   # console, each naming its row of the README's Troubleshooting table.
   c.stability = ml_collections.ConfigDict()
   c.stability.entropy_band = True         # token entropy leaves its running band (either collapse)
@@ -119,7 +119,7 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.stability.clip_high = 0.15
   c.stability.stop_on_event = False       # True: checkpoint and stop at the first event
 
-  # Optional controls (SPEC §8, `controls.ControlConfig`), all off: they move the clip ε of the
+  # Optional controls (docs/method.md §8, `controls.ControlConfig`), all off: they move the clip ε of the
   # objective (rl.epsilon, or rl.ppo_epsilon for grpo/espo) and scale the learning rate.
   c.controls = ml_collections.ConfigDict()
   c.controls.epsilon_schedule = False     # conservative_epsilon for the first part of RL
@@ -204,7 +204,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if not 0 <= c.rl.p_mask_prompt <= 1:
     bad("rl.p_mask_prompt", "must lie in [0, 1]")
   if not 0 <= c.rl.adversarial <= 1:
-    bad("rl.adversarial", "must lie in [0, 1] (the fraction of rollouts; SPEC §8 uses 0.7)")
+    bad("rl.adversarial", "must lie in [0, 1] (the fraction of rollouts; docs/method.md §8 uses 0.7)")
   k = c.controls
   if k.epsilon_schedule or k.adaptive_epsilon or k.drift:
     key = next(f"controls.{n}" for n in ("epsilon_schedule", "adaptive_epsilon", "drift") if k[n])
@@ -281,7 +281,7 @@ def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
     c.eval.num_examples, c.eval.every = 32, 4
     c.checkpoint.every = 4
   elif preset in ("8b", "8b_official"):
-    # SPEC §6: the official StableDRL settings (GSM8K), fp32 master weights, bf16 compute.
+    # docs/method.md §6: the official StableDRL settings (GSM8K), fp32 master weights, bf16 compute.
     c.model.checkpoint = "/path/to/checkpoint"  # must be overridden
     c.mesh.data, c.mesh.fsdp = 1, -1  # FSDP over every chip
     c.model.tokenizer = "checkpoint"

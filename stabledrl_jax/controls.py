@@ -1,4 +1,4 @@
-"""Host-side stability controls (SPEC §8): detectors, adaptive ε, schedules, drift brake, checks.
+"""Host-side stability controls (docs/method.md §8): detectors, adaptive ε, schedules, drift brake, checks.
 
 Plain Python on per-step metrics that are already floats (`diagnostics.to_floats`); nothing here
 touches the device. Every control is optional and off by default (`MonitorConfig`). Stateful
@@ -402,7 +402,7 @@ def config_warnings(*, lr: float, group_size: int, epsilon: float | None = None,
                     max_ratio: float | None = None, block_length: int | None = None,
                     block_diffusion: bool = False, low: float = 1e-7,
                     high: float = 1e-6) -> list[str]:
-  """Tuning guidance of SPEC §8 as warning texts (empty when the config is within it)."""
+  """Tuning guidance of docs/method.md §8 as warning texts (empty when the config is within it)."""
   out = []
   step = effective_step(lr, group_size, epsilon, max_ratio)
   if not low <= step <= high:
@@ -423,7 +423,7 @@ def config_warnings(*, lr: float, group_size: int, epsilon: float | None = None,
 
 @dataclasses.dataclass
 class ControlConfig:
-  """The optional controls of SPEC §8 (all off by default), as the trainer's `config.controls`."""
+  """The optional controls of docs/method.md §8 (all off by default), as the trainer's `config.controls`."""
   epsilon_schedule: bool = False     # conservative ε for the first part of RL, then the configured one
   conservative_epsilon: float = 1.0
   conservative_fraction: float = 0.2

@@ -1,4 +1,4 @@
-"""Per-step stability diagnostics of rollouts and updates (SPEC §8): pure functions of arrays.
+"""Per-step stability diagnostics of rollouts and updates (docs/method.md §8): pure functions of arrays.
 
 Every function is safe under `jax.jit` (integer arguments such as `group_size` and `n` are
 static). Shapes are in the argument names' suffixes: `B` rows (= `num_groups * group_size`, groups

@@ -12,7 +12,7 @@ whose log-probabilities count: up to and including the first end-of-sequence tok
 `counted_until_eos`; a prefix of the completion) and `prompt` (prompt tokens that may be noised
 with probability `p_mask_prompt`; never weighted).
 
-Schemes (SPEC §1):
+Schemes (docs/method.md §1):
   random_t      t ~ U(0,1), p = (1-ε)t + ε, mask i.i.d. with p; weight 1/(p·n) on masked counted
                 tokens, n = number of counted tokens (LLaDA pretraining; E = log p(x)/n).
   stratified_l  mask exactly l of the R completion tokens, l stratified over the M samples;
@@ -220,7 +220,7 @@ def adversarial_masks(
     fraction: float = 0.7,
     easy_fraction: float = 0.1,
 ) -> tuple[Array, MaskSample, MaskSample]:
-  """SPEC §8's adversarial ratio explosion: `(rows_B, easy, hard)`, driving `ρ → ∞` on purpose.
+  """docs/method.md §8's adversarial ratio explosion: `(rows_B, easy, hard)`, driving `ρ → ∞` on purpose.
 
   A random `fraction` of the rows is chosen (`rows_B`); for those the new policy's ELBO is meant
   to use `easy` (only the last `max(1, ⌈easy_fraction·n⌉)` counted tokens masked: the fewest,

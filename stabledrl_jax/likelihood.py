@@ -4,7 +4,7 @@
 the corrupted copies and returns `log p_θ(x_i | x_t)` for every position, `[B, M, T]`. Full
 attention models (LLaDA) see each corrupted copy on its own; block-diffusion models (SDAR) see
 `[x_t ; x_0]` through the staircase mask, so one forward gives every block's logits conditioned on
-its clean prefix (SPEC §4).
+its clean prefix (docs/method.md §4).
 """
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ class Objective:
   kl_coef: float = 0.0
   spg_omega: float = 0.5
   spg_beta: float = 1.5
-  adversarial: float = 0.0  # > 0: SPEC §8's ratio explosion on this fraction of the rollouts
+  adversarial: float = 0.0  # > 0: docs/method.md §8's ratio explosion on this fraction of the rollouts
 
 
 class Adversarial(NamedTuple):

@@ -1,7 +1,7 @@
 """Rollouts from diffusion LMs: LLaDA semi-autoregressive decoding and SDAR block decoding.
 
 Both compile to one jitted program per shape: every loop is `lax` control flow over static
-shapes, so no step goes back to the host. SPEC §5 is the reference algorithm.
+shapes, so no step goes back to the host. docs/method.md §5 is the reference algorithm.
 
 Layout. Prompts come left-padded, `[B, P]` ids with a `[B, P]` validity mask. Each row's
 positions start at 0 at its first real token, so padding never changes what a row computes.
@@ -142,7 +142,7 @@ def _stop_ids(config, stop_ids):
 
 @dataclasses.dataclass(frozen=True)
 class LLaDASampling:
-  """LLaDA decoding settings (SPEC §5); rollouts in the paper: 256 / 32 / 128 / τ = 0.9."""
+  """LLaDA decoding settings (docs/method.md §5); rollouts in the paper: 256 / 32 / 128 / τ = 0.9."""
   gen_length: int = 256
   block_length: int = 32
   steps: int = 128
@@ -180,7 +180,7 @@ def llada_layout(prompt_BxP: Array, prompt_valid_BxP: Array, gen_length: int, ma
 
 def llada_generate(model: nnx.Module, prompt_BxP: Array, prompt_valid_BxP: Array, key: Array,
                    sampling: LLaDASampling) -> Rollout:
-  """Semi-autoregressive LLaDA decoding (SPEC §5) of left-padded prompts; returns a `Rollout`.
+  """Semi-autoregressive LLaDA decoding (docs/method.md §5) of left-padded prompts; returns a `Rollout`.
 
   `steps` are split evenly over the `gen_length / block_length` blocks; each step runs one
   forward (two with classifier-free guidance: the unconditional copy has its prompt masked),
@@ -253,7 +253,7 @@ def _llada_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: LLaDASam
 
 @dataclasses.dataclass(frozen=True)
 class SDARSampling:
-  """SDAR block decoding settings (SPEC §5)."""
+  """SDAR block decoding settings (docs/method.md §5)."""
   gen_length: int = 256
   steps: int = 4  # denoising forwards per block, at most
   strategy: Literal["low_confidence_static", "low_confidence_dynamic"] = "low_confidence_static"
@@ -310,7 +310,7 @@ def sdar_layout(prompt_BxP: Array, prompt_valid_BxP: Array, gen_length: int, blo
 
 def sdar_generate(model: nnx.Module, prompt_BxP: Array, prompt_valid_BxP: Array, key: Array,
                   sampling: SDARSampling) -> Rollout:
-  """SDAR block decoding (SPEC §5) of left-padded prompts; returns a `Rollout`.
+  """SDAR block decoding (docs/method.md §5) of left-padded prompts; returns a `Rollout`.
 
   The prompt's complete blocks are prefilled block-causally into a KV cache. Each following block
   is denoised by up to `steps` forwards over the cache plus the block (bidirectional inside it);

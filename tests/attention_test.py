@@ -1,4 +1,4 @@
-"""The one mask rule against a NumPy reference that follows SPEC §4 literally."""
+"""The one mask rule against a NumPy reference that follows docs/method.md §4 literally."""
 import numpy as np
 import pytest
 
@@ -6,7 +6,7 @@ from stabledrl_jax.models import attention
 
 
 def reference_staircase(n: int, block: int) -> np.ndarray:
-  """[2n, 2n] mask for [x_t ; x_0], written from the SPEC's four cases, one pair at a time."""
+  """[2n, 2n] mask for [x_t ; x_0], written from the four cases of docs/method.md §4, one pair at a time."""
   mask = np.zeros((2 * n, 2 * n), bool)
   for q in range(2 * n):
     for k in range(2 * n):

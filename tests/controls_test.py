@@ -52,7 +52,7 @@ def test_entropy_detector_quiet_on_a_healthy_run():
 
 
 def test_entropy_detector_fires_once_on_the_spec_spike():
-  # SPEC §8: 4.2 → 7.8 in three steps against a normal 3.5–5.0 band.
+  # docs/method.md §8: 4.2 → 7.8 in three steps against a normal 3.5–5.0 band.
   m = monitor(entropy_band=True)
   run = list(healthy_entropy(np.random.default_rng(1), 50)) + [4.2, 5.4, 6.6, 7.8, 7.9, 8.0]
   events = [e for step, h in enumerate(run) for e in m.update(step, {"token_entropy": float(h)})]
@@ -243,7 +243,7 @@ def test_step_controls_compose_schedule_adaptive_and_drift():
     assert sc.settings(0) == (0.2, 1.0)
     sc.update({"clip_fraction": 0.6})
   assert sc.settings(2)[0] > 0.2
-  # Drift: KL above the threshold brakes the rate and tightens ε by the SPEC formulas.
+  # Drift: KL above the threshold brakes the rate and tightens ε by the formulas of docs/method.md §8.
   cfg = controls.ControlConfig(drift=True, drift_threshold=0.5, drift_alpha=0.5, drift_decay=0.0)
   sc = controls.StepControls(cfg, epsilon=4.0, total=100)
   sc.update({"kl_k3": 1.5})

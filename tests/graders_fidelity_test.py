@@ -1,6 +1,6 @@
 """Grader fidelity on real LLaDA-8B-Instruct outputs (text no one here wrote), against d1's figures.
 
-d1 (`eval/parse_and_get_acc.py` in the d1 repository) scores these files as SPEC §7 reports:
+d1 (`eval/parse_and_get_acc.py` in the d1 repository) scores these files as docs/method.md §7 reports:
 GSM8K 69.3/76.4/78.1, MATH500 26.0/32.4/36.2, Countdown 20.7/19.5/16.0, Sudoku (cell level)
 11.7/6.7/5.5 for gen 128/256/512. How d1's parser reads answers (facts, from its source):
 - GSM8K: the *first* `\\boxed{...}` (a non-greedy regex, so it stops at the first `}`); if the box
@@ -30,7 +30,7 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 GEN = DATA / "llada8b_generations"
 pytestmark = pytest.mark.skipif(not GEN.is_dir(), reason=f"LLaDA generations absent at {GEN}")
 
-D1 = {  # SPEC §7, d1's parser, gen length 128 / 256 / 512
+D1 = {  # docs/method.md §7, d1's parser, gen length 128 / 256 / 512
     "gsm8k": (69.3, 76.4, 78.1),
     "math500": (26.0, 32.4, 36.2),
     "countdown": (20.7, 19.5, 16.0),

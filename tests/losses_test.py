@@ -15,7 +15,7 @@ from stabledrl_jax import losses
 
 
 def np_snis(log_ratio, adv, sur, group_size, lo, hi, valid):
-  """Loss, d loss / d surrogate, and weights, written loop by loop from SPEC §2."""
+  """Loss, d loss / d surrogate, and weights, written loop by loop from docs/method.md §2."""
   n_groups = len(log_ratio) // group_size
   grad = np.zeros(len(sur))
   alphas = np.zeros(len(sur))

@@ -1,4 +1,4 @@
-"""Samplers against slow reference loops written here from SPEC §5, one model call per step."""
+"""Samplers against slow reference loops written here from docs/method.md §5, one model call per step."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -5,7 +5,7 @@ Every position carries a block id and a stream (clean or noisy). Query q may att
   noisy -> noisy: block(k) == block(q)   (bidirectional inside the block being denoised)
   noisy -> clean: block(k) <  block(q)   (the clean prefix, never the target's own clean block)
   clean -> noisy: never
-and k is a valid (non-padding) key. SPEC §4. The KV cache of block decoding is the clean stream.
+and k is a valid (non-padding) key. docs/method.md §4. The KV cache of block decoding is the clean stream.
 """
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints <-> the NNX transformer: LLaDA, SDAR and Qwen3 (SPEC §6).
+"""Hugging Face checkpoints <-> the NNX transformer: LLaDA, SDAR and Qwen3 (docs/method.md §6).
 
 Loading reads `config.json`, builds the model abstractly (no parameter memory), then streams
 the safetensors tensor by tensor into (sharded) device arrays: the host holds one tensor at a time.
@@ -129,7 +129,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 
 def weight_specs(cfg: ModelConfig) -> list[WeightSpec]:
-  """Every parameter with its Hugging Face name (SPEC §6 tables)."""
+  """Every parameter with its Hugging Face name (docs/method.md §6 tables)."""
   norm, lin_in, lin_out = ("norm",), ("embed", "heads"), ("heads", "embed")
   mlp_in, mlp_out = ("embed", "mlp"), ("mlp", "embed")
   if cfg.family == "llada":

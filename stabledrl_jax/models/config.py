@@ -75,7 +75,7 @@ def bench_100m(**changes) -> ModelConfig:
 
 
 def llada_8b(**changes) -> ModelConfig:
-  """GSAI-ML/LLaDA-8B-Instruct (SPEC §6): LLaMA-like MHA, full attention."""
+  """GSAI-ML/LLaDA-8B-Instruct (docs/method.md §6): LLaMA-like MHA, full attention."""
   base = ModelConfig(
       family="llada", model_type="llada", vocab_size=126464, d_model=4096, n_layers=32,
       n_heads=32, n_kv_heads=32, head_dim=128, mlp_dim=12288, rope_theta=500000.0,
@@ -106,7 +106,7 @@ def sdar_4b(**changes) -> ModelConfig:
 
 
 def sdar_8b(**changes) -> ModelConfig:
-  """JetLM/SDAR-8B-Chat (SPEC §6): 36 x 4096, 32/8 heads, MLP 12288, untied head."""
+  """JetLM/SDAR-8B-Chat (docs/method.md §6): 36 x 4096, 32/8 heads, MLP 12288, untied head."""
   return _sdar(36, 4096, 12288, 32, False, changes)
 
 

@@ -1,8 +1,8 @@
 """One configurable NNX transformer for both families: LLaDA (LLaMA-like) and SDAR (Qwen3).
 
 Float32 parameters, `config.compute_dtype` activations, float32 logits. Entry points:
-`logits` (full / block-causal), `staircase_logits` (dual stream, SPEC §4) and `cached_logits`
-with a preallocated `KVCache` (SDAR block decoding, SPEC §5).
+`logits` (full / block-causal), `staircase_logits` (dual stream, docs/method.md §4) and `cached_logits`
+with a preallocated `KVCache` (SDAR block decoding, docs/method.md §5).
 """
 import flax.struct
 import jax

@@ -1,7 +1,7 @@
 """Countdown: combine three numbers (1-100) with + - * / to reach a target.
 
 Example keys: `numbers` (list of 3 ints), `target` (int); generated examples add `solution` (one
-equation that reaches the target). Reward (SPEC §7): 1.0 when the last `<answer>` equation uses
+equation that reaches the target). Reward (docs/method.md §7): 1.0 when the last `<answer>` equation uses
 exactly the given numbers, once each, and evaluates to the target within 1e-5; 0.1 for a present
 but wrong answer; 0.0 for none. A `\boxed{}` equation counts as the answer when the tag is
 missing or holds no equation (LLaDA often boxes its answer and garbles the tag).

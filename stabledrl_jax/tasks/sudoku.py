@@ -1,6 +1,6 @@
 """4x4 Sudoku: 16-character grids, row-major, `0` = blank; digits 1-4; 2x2 boxes.
 
-Example keys: `puzzle`, `solution` (16-character strings). Reward (SPEC §7): the fraction of
+Example keys: `puzzle`, `solution` (16-character strings). Reward (docs/method.md §7): the fraction of
 the puzzle's blank cells that the last `<answer>` fills correctly. Train and test are split by
 *solution grid* (there are exactly 288), so test grids are never seen in training.
 """

@@ -86,7 +86,7 @@ class HFTokenizer:
   """A Hugging Face `tokenizer.json` plus the chat template and special tokens of a checkpoint.
 
   Special tokens come from `tokenizer_config.json` (`bos_token`, `eos_token`, `pad_token`,
-  `mask_token`) unless given; LLaDA's mask token (id 126336, SPEC §6) is not named there, so
+  `mask_token`) unless given; LLaDA's mask token (id 126336, docs/method.md §6) is not named there, so
   `mask_token` / `mask_id` can be passed explicitly.
   """
 
