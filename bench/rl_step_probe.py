@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from stabledrl_jax import checkpointing, likelihood, losses, rl, train  # noqa: E402
+from stabledrl_jax import checkpointing, config_lib, likelihood, losses, rl, train  # noqa: E402
 from stabledrl_jax.tasks import pipeline  # noqa: E402
 
 
@@ -37,7 +37,7 @@ def main() -> None:
   p.add_argument("--batches", type=int, default=4)
   p.add_argument("--etas", default="0,0.03,0.1,0.2")
   args = p.parse_args()
-  path, _, preset = args.config.partition(":")
+  path, _, preset = config_lib.resolve_config_arg(args.config).partition(":")
   spec = importlib.util.spec_from_file_location("config_file", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)

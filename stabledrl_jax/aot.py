@@ -26,10 +26,10 @@ from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags
 
-from stabledrl_jax import likelihood, models, rl, samplers, sharding, train
+from stabledrl_jax import config_lib, likelihood, models, rl, samplers, sharding, train
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/sdar.py:8b", "Training config file.",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file("config", config_lib.resolve_config_arg("configs/sdar.py:8b"),
+                                          "Training config file.", lock_config=True)
 _TOPOLOGY = flags.DEFINE_string("topology", "v5p:2x2x1", "TPU topology (e.g. v5p:4x4x4, "
                                 "v6e:4x4) or cpu:N for N local CPU devices.")
 _HBM_GIB = flags.DEFINE_float("hbm_gib", None, "Per-chip memory in GiB (default: by chip kind).")
@@ -228,4 +228,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=lambda argv: flags.FLAGS(config_lib.resolve_config_flags(argv)))

@@ -7,12 +7,36 @@ checks values before anything is compiled or written.
 from __future__ import annotations
 
 import math
+import os
 
 import ml_collections
 
 OBJECTIVES = ("stabledrl", "stabledrl_spg", "grpo", "espo", "spg", "wd1", "spg_is")
 SCHEMES = ("random_t", "stratified_l", "block_random", "mean_field", "block_t")
 TASKS = ("countdown", "sudoku", "gsm8k", "math500", "jsonl")  # or an import path pkg.mod:TASK
+
+
+def resolve_config_arg(arg: str) -> str:
+  """`configs/NAME.py[:PRESET]` from any directory: a `configs/` path that does not exist here
+  names the package's own config (`stabledrl_jax/configs/NAME.py`)."""
+  path, sep, preset = arg.partition(":")
+  packaged = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
+                          os.path.basename(path))
+  if (not os.path.exists(path) and os.path.basename(os.path.dirname(path)) == "configs"
+      and os.path.isfile(packaged)):
+    return packaged + sep + preset
+  return arg
+
+
+def resolve_config_flags(argv: list[str], flag: str = "config") -> list[str]:
+  """`argv` with the value of `--config=...` (or `--config ...`) resolved by `resolve_config_arg`."""
+  out = list(argv)
+  for i, arg in enumerate(out):
+    if arg.startswith(f"--{flag}="):
+      out[i] = f"--{flag}=" + resolve_config_arg(arg.split("=", 1)[1])
+    elif arg == f"--{flag}" and i + 1 < len(out):
+      out[i + 1] = resolve_config_arg(out[i + 1])
+  return out
 
 
 def base_config(family: str) -> ml_collections.ConfigDict:
@@ -37,7 +61,7 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.task = ml_collections.ConfigDict()
   c.task.name = "sudoku"         # a built-in task, "jsonl", or a Task's import path pkg.mod:NAME
   c.task.source = "generated"   # "generated" (Countdown/Sudoku) or "local" (files in source_dir)
-  c.task.source_dir = ""        # e.g. ../shared/data/gsm8k
+  c.task.source_dir = ""        # task.source='local': the folder of the task's files
   c.task.data_dir = ""          # TFDS array_record cache; "" = WORKDIR/data
   c.task.blanks = 11            # Sudoku: blanks per puzzle (RL and evaluation)
   c.task.sft_blanks = 8         # Sudoku: blanks per SFT puzzle (0 = task.blanks); SFT on easier
@@ -255,6 +279,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
       bad("model.checkpoint", "no such directory")
   if c.task.source == "local":
     import os
+    if not c.task.source_dir:
+      bad("task.source_dir", "task.source='local' needs the folder of your data files "
+          "(GSM8K: train.jsonl, test.jsonl); or set task.source=public to download GSM8K")
     if not os.path.isdir(c.task.source_dir):
       bad("task.source_dir", "no such directory (task.source='local' reads files from it)")
   elif c.task.source not in ("generated", "public"):
@@ -287,7 +314,7 @@ def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
     c.model.tokenizer = "checkpoint"
     c.model.compute_dtype = "bfloat16"
     c.model.remat = True
-    c.task.name, c.task.source, c.task.source_dir = "gsm8k", "local", "../shared/data/gsm8k"
+    c.task.name, c.task.source, c.task.source_dir = "gsm8k", "local", ""  # the user's data
     c.task.prompt_style, c.task.chat, c.task.max_prompt_len = "plain", True, 512
     c.sft.steps = 0
     c.rl.steps = 1000

@@ -12,10 +12,12 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from stabledrl_jax import distributed, train
+from stabledrl_jax import config_lib, distributed, train
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/sdar.py", "Training config file.",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", config_lib.resolve_config_arg("configs/sdar.py"),
+    "Training config file (configs/NAME.py[:PRESET]: the package's own, from any directory).",
+    lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default: ./runs/<config>).")
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Join a multi-process run "
                                  "(jax.distributed.initialize; detected on Cloud TPU and SLURM).")
@@ -30,7 +32,7 @@ _HEARTBEAT = flags.DEFINE_integer("heartbeat_timeout", 100, "Multi-process: seco
 def parse_flags(argv: list[str]) -> list[str]:
   """absl flag parsing, with a one-line error for a bad flag or an unknown config key."""
   try:
-    return flags.FLAGS(argv)
+    return flags.FLAGS(config_lib.resolve_config_flags(argv))
   except flags.Error as e:
     sys.exit(f"error: {e}")
   except (AttributeError, KeyError) as e:  # ml_collections: an override of a key that is not there

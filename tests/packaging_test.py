@@ -80,3 +80,38 @@ def test_pyproject_reads_its_dependencies_from_requirements():
   project = tomllib.loads((ROOT / "pyproject.toml").read_text())
   assert "dependencies" in project["project"]["dynamic"]
   assert project["tool"]["setuptools"]["dynamic"]["dependencies"]["file"] == ["requirements.txt"]
+
+
+def test_config_paths_resolve_from_any_directory(tmp_path, monkeypatch):
+  from stabledrl_jax import config_lib
+
+  monkeypatch.chdir(tmp_path)
+  resolved = config_lib.resolve_config_arg("configs/llada.py:8b")
+  assert resolved == str(PACKAGE / "configs" / "llada.py") + ":8b"
+  (tmp_path / "configs").mkdir()
+  (tmp_path / "configs" / "llada.py").write_text("")  # a user's own file of that name wins
+  assert config_lib.resolve_config_arg("configs/llada.py:8b") == "configs/llada.py:8b"
+  assert config_lib.resolve_config_flags(["main", "--config", "configs/sdar.py", "--x=1"]) == [
+      "main", "--config", str(PACKAGE / "configs" / "sdar.py"), "--x=1"]
+
+
+def test_main_reads_its_configs_outside_the_repository(tmp_path):
+  import subprocess
+
+  env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+  out = subprocess.run([sys.executable, "-m", "stabledrl_jax.main", "--config=configs/sdar.py:smoke",
+                        "--config.rl.objective=bogus"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=120)
+  assert out.stderr.strip().splitlines()[-1].startswith("error: config.rl.objective='bogus'")
+
+
+def test_8b_presets_need_the_users_data(tmp_path):
+  from stabledrl_jax import config_lib
+
+  c = config_lib.base_config("llada")
+  config_lib.apply_preset(c, "8b")
+  c.model.checkpoint = str(tmp_path)
+  with pytest.raises(ValueError, match=r"^config.task.source_dir='': task.source='local' needs"):
+    config_lib.validate(c)
+  c.task.source = "public"
+  config_lib.validate(c)
