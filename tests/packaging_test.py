@@ -105,11 +105,13 @@ def test_main_reads_its_configs_outside_the_repository(tmp_path):
   assert out.stderr.strip().splitlines()[-1].startswith("error: config.rl.objective='bogus'")
 
 
-def test_8b_presets_need_the_users_data(tmp_path):
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_8b_presets_need_the_users_data(family, tmp_path):
+  import importlib
+
   from stabledrl_jax import config_lib
 
-  c = config_lib.base_config("llada")
-  config_lib.apply_preset(c, "8b")
+  c = importlib.import_module(f"stabledrl_jax.configs.{family}").get_config("8b").unlock()
   c.model.checkpoint = str(tmp_path)
   with pytest.raises(ValueError, match=r"^config.task.source_dir='': task.source='local' needs"):
     config_lib.validate(c)
