@@ -3,7 +3,8 @@ r"""StableDRL on a full-attention masked diffusion (LLaDA) model.
   python -m stabledrl_jax.main --config=configs/llada.py           # tiny: CPU, 4x4 Sudoku
   python -m stabledrl_jax.main --config=configs/llada.py:smoke     # the same path in < 2 minutes
   python -m stabledrl_jax.main --config=configs/llada.py:8b \
-      --config.model.checkpoint=/path/to/LLaDA-8B-Instruct --workdir=gs://bucket/runs/llada8b
+      --config.model.checkpoint=/path/to/LLaDA-8B-Instruct --workdir=gs://bucket/runs/llada8b \
+      --config.task.source_dir=/path/to/gsm8k   # train.jsonl, test.jsonl; or --config.task.source=public
 
 Override any key with --config.a.b=value (e.g. --config.rl.objective=grpo).
 """
