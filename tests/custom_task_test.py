@@ -88,7 +88,8 @@ def test_jsonl_line_without_the_prompt_field_names_file_and_line(tmp_path):
 
 def test_jsonl_checkers_math_and_import_path(tmp_path, monkeypatch):
   task = from_config(task_config(checker="math"))
-  assert task.reward("<answer>\\boxed{\\frac{1}{2}}</answer>", {"question": "", "answer": "1/2"}) == 1.0
+  half = {"question": "", "answer": "1/2"}
+  assert task.reward("<answer>\\boxed{\\frac{1}{2}}</answer>", half) == 1.0
   (tmp_path / "my_checker.py").write_text(
       "def exact(completion, example):\n  return float(completion.strip() == example['answer'])\n")
   monkeypatch.syspath_prepend(str(tmp_path))
@@ -97,7 +98,7 @@ def test_jsonl_checkers_math_and_import_path(tmp_path, monkeypatch):
   assert not task.is_correct("8", {"question": "", "answer": "7"})
   with pytest.raises(ValueError, match="config.task.checker='nope': expected one of"):
     from_config(task_config(checker="nope"))
-  with pytest.raises(ValueError, match="checker='my_checker:missing': module 'my_checker' defines no"):
+  with pytest.raises(ValueError, match="'my_checker:missing': module 'my_checker' defines no"):
     from_config(task_config(checker="my_checker:missing"))
 
 

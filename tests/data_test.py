@@ -202,15 +202,16 @@ def test_generated_tasks_are_in_memory_in_the_order_tfds_wrote(tmp_path, capfd):
 
     def _info(self):
       text = tfds.features.Text()
-      return tfds.core.DatasetInfo(builder=self,
-                                   features=tfds.features.FeaturesDict({"puzzle": text, "solution": text}))
+      features = tfds.features.FeaturesDict({"puzzle": text, "solution": text})
+      return tfds.core.DatasetInfo(builder=self, features=features)
 
     def _split_generators(self, dl_manager):
       return {split: self._generate_examples(split) for split in ("train", "test")}
 
     def _generate_examples(self, split):
       n = 40 if split == "train" else 6
-      yield from enumerate(sudoku.generate_many(n, 3, split=split, blanks=5, split_seed=0, num_test=88))
+      yield from enumerate(
+          sudoku.generate_many(n, 3, split=split, blanks=5, split_seed=0, num_test=88))
 
   tfds.disable_progress_bar()
   builder = ReferenceSudoku(data_dir=str(tmp_path / "ref"), file_format="array_record")
@@ -219,8 +220,8 @@ def test_generated_tasks_are_in_memory_in_the_order_tfds_wrote(tmp_path, capfd):
   for split in ("train", "test"):
     ref = builder.as_data_source(split=split)
     expected = [datasets.decode_example(ref[i]) for i in range(len(ref))]
-    got = datasets.load_source("sudoku", split, data_dir=tmp_path / "ours", num_train=40, num_test=6,
-                               blanks=5, seed=3)
+    got = datasets.load_source("sudoku", split, data_dir=tmp_path / "ours", num_train=40,
+                               num_test=6, blanks=5, seed=3)
     assert got == expected
   out = capfd.readouterr()
   assert "Downloading and preparing" not in out.out + out.err

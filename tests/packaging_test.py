@@ -56,7 +56,8 @@ def distributions(module: str) -> set[str]:
 
 def undeclared(package: Path, requirements: Path) -> list[str]:
   names = declared(requirements)
-  return sorted(f"{module} (imported by {where})" for module, where in imported_modules(package).items()
+  return sorted(f"{module} (imported by {where})"
+                for module, where in imported_modules(package).items()
                 if not distributions(module) & names)
 
 
@@ -67,7 +68,8 @@ def test_every_import_of_the_package_is_declared():
 def test_an_undeclared_import_is_caught(tmp_path):
   package = tmp_path / "pkg"
   package.mkdir()
-  (package / "a.py").write_text("import os\nimport numpy as np\n\ndef f():\n  from jinja2 import Template\n")
+  (package / "a.py").write_text(
+      "import os\nimport numpy as np\n\ndef f():\n  from jinja2 import Template\n")
   requirements = tmp_path / "requirements.txt"
   requirements.write_text("numpy>=1.26,<3  # arrays\n")
   assert undeclared(package, requirements) == ["jinja2 (imported by pkg/a.py)"]
@@ -99,9 +101,9 @@ def test_main_reads_its_configs_outside_the_repository(tmp_path):
   import subprocess
 
   env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-  out = subprocess.run([sys.executable, "-m", "stabledrl_jax.main", "--config=configs/sdar.py:smoke",
-                        "--config.rl.objective=bogus"], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=120)
+  out = subprocess.run([sys.executable, "-m", "stabledrl_jax.main",
+                        "--config=configs/sdar.py:smoke", "--config.rl.objective=bogus"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
   assert out.stderr.strip().splitlines()[-1].startswith("error: config.rl.objective='bogus'")
 
 

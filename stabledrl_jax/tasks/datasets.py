@@ -269,9 +269,11 @@ def task_examples(task: base.Task, split: str, *, source: str, source_dir: str |
     if task.generate is None:
       raise ValueError(f"config.task.source='generated': task {task.name!r} has no generate(); "
                        "set task.source=local and task.source_dir to its JSONL files")
-    return [dict(ex) for ex in task.generate(split, num_train if split == "train" else num_test, seed)]
+    n = num_train if split == "train" else num_test
+    return [dict(ex) for ex in task.generate(split, n, seed)]
   if source != "local":
-    raise ValueError(f"config.task.source={source!r}: task {task.name!r} reads 'generated' or 'local'")
+    raise ValueError(f"config.task.source={source!r}: task {task.name!r} reads 'generated' or "
+                     "'local'")
   path = Path(source_dir) / f"{split}.jsonl"
   if not path.is_file():
     raise FileNotFoundError(f"{task.name}: missing data file {path} (config.task.source_dir)")

@@ -1,13 +1,15 @@
 """A generic task over the user's own JSONL files: a prompt field, a gold-answer field, a checker.
 
     --config.task.name=jsonl --config.task.source=local --config.task.source_dir=DIR
-    --config.task.prompt_field=question --config.task.answer_field=answer --config.task.checker=number
+    --config.task.prompt_field=question --config.task.answer_field=answer
+    --config.task.checker=number
 
 `DIR/train.jsonl` and `DIR/test.jsonl` hold one JSON object per line. Examples are
 `{"question": <prompt field>, "answer": <answer field>}`. The checker scores a completion:
-`number` (the final number against the gold field's last number, as GSM8K), `math` (final-answer equivalence through math-verify, with
-its time limit, as MATH500) or an import path `pkg.module:function` of a reward function
-`(completion, example) -> float` in [0, 1] (1 = correct).
+`number` (the final number against the gold field's last number, as GSM8K), `math` (final-answer
+equivalence through math-verify, with its time limit, as MATH500) or an import path
+`pkg.module:function` of a reward function `(completion, example) -> float` in [0, 1]
+(1 = correct).
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def number_correctness(completion: str, example: base.Example) -> float:
   answer field, a worked solution ending `#### 18`, works as it is)."""
   gold = extract.last_number(str(example["answer"]))
   if gold is None:
-    raise ValueError(f"gold answer {example['answer']!r} has no number (config.task.checker='number')")
+    raise ValueError(f"gold answer {example['answer']!r} has no number "
+                     "(config.task.checker='number')")
   return 1.0 if gsm8k.numbers_match(gsm8k.extract_answer(completion), gold) else 0.0
 
 
