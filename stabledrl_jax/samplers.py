@@ -41,6 +41,8 @@ class Rollout(NamedTuple):
   completion_mask_BxG: Array  # bool, same as completion_mask_BxT in that layout
   lengths_B: Array           # int32 completion length (stop token included)
   commit_step_BxT: Array     # int32 decoding step that committed each slot; -1 for the rest
+  forwards_B: Array          # int32 model forwards the row took part in (guidance copies count)
+  forward_tokens_B: Array    # int32 tokens those forwards processed for the row
 
 
 # ----------------------------------------------------------------------------- shared pieces
@@ -99,6 +101,38 @@ def select_top_k(confidence_BxL: Array, eligible_BxL: Array, k_B: Array) -> Arra
   return eligible_BxL & (rank < k_B[:, None])
 
 
+def min_commits(num_masked_B: Array, steps_left) -> Array:
+  """⌈m / r⌉: the fewest commits per step that still finish `m` masked tokens in `r` steps.
+
+  As the lower bound of threshold decoding it is 1 while the budget is not binding, and at
+  threshold 1 it reproduces `commit_schedule` (front-loaded remainder, step by step).
+  """
+  steps_left = jnp.maximum(jnp.asarray(steps_left, jnp.int32), 1)
+  return -(-num_masked_B.astype(jnp.int32) // steps_left)
+
+
+def confident_commit(confidence_BxL: Array, eligible_BxL: Array, k_B: Array,
+                     threshold: float | None, *, strict: bool = False) -> Array:
+  """Commit the `k` most confident eligible positions, and with a threshold every eligible one
+  whose confidence is at or above it (`strict`: above it). Both families' threshold decoding."""
+  commit = select_top_k(confidence_BxL, eligible_BxL, k_B)
+  if threshold is not None:
+    above = confidence_BxL > threshold if strict else confidence_BxL >= threshold
+    commit = commit | (eligible_BxL & above)
+  return commit
+
+
+def choose_tokens(logits_BxKxV: Array, key: Array, step, temperature: float,
+                  remasking: str) -> tuple[Array, Array]:
+  """LLaDA's step: `(x̂, confidence)` from the block's (mask-forbidden) logits and step's draws."""
+  u_choice, u_conf = _uniforms(key, step, logits_BxKxV.shape)
+  x0_BxK = gumbel_argmax(logits_BxKxV, temperature, u_choice)
+  if remasking == "low_confidence":
+    probs = jax.nn.softmax(logits_BxKxV.astype(jnp.float32), axis=-1)
+    return x0_BxK, jnp.take_along_axis(probs, x0_BxK[..., None], axis=-1)[..., 0]
+  return x0_BxK, u_conf[..., 0]
+
+
 def truncate_after_stop(tokens_BxT: Array, generated_BxT: Array, stop_ids: tuple[int, ...],
                         pad_id: int) -> tuple[Array, Array]:
   """`(tokens, completion_mask)`: generated slots after the first stop token become `pad_id`."""
@@ -116,12 +150,14 @@ def _gather_completion(tokens_BxT, completion_BxT, gen_start_B, gen_length):
 
 
 def _finish(tokens, positions, valid, prompt_mask, generated, gen_start_B, gen_length, stop_ids,
-            pad_id, commit_step) -> Rollout:
+            pad_id, commit_step, forwards, forward_tokens) -> Rollout:
   tokens, completion = truncate_after_stop(tokens, generated, stop_ids, pad_id)
   tokens = jnp.where(valid, tokens, pad_id)
   comp_BxG, comp_mask_BxG = _gather_completion(tokens, completion, gen_start_B, gen_length)
   return Rollout(tokens, positions, valid, prompt_mask, completion, comp_BxG, comp_mask_BxG,
-                 jnp.sum(completion, axis=-1).astype(jnp.int32), commit_step)
+                 jnp.sum(completion, axis=-1).astype(jnp.int32), commit_step,
+                 jnp.full(gen_start_B.shape, forwards, jnp.int32),
+                 jnp.full(gen_start_B.shape, forward_tokens, jnp.int32))
 
 
 def _pad_id(config, pad_id, stop_ids) -> int:
@@ -151,8 +187,15 @@ class LLaDASampling:
   cfg_scale: float = 0.0
   stop_ids: tuple[int, ...] = ()  # default: the model config's stop tokens
   pad_id: int | None = None       # default: the model config's pad (else eos) token
+  # Approximate fast decoding (`llada_cached`): block-wise KV reuse and threshold commits.
+  cache: Literal["none", "prefix", "dual"] = "none"
+  threshold: float | None = None  # None: the schedule alone
 
   def __post_init__(self):
+    if self.cache not in ("none", "prefix", "dual"):
+      raise ValueError(f"unknown cache {self.cache!r}: expected none, prefix or dual")
+    if self.threshold is not None and not 0 <= self.threshold <= 1:
+      raise ValueError(f"threshold={self.threshold} must lie in [0, 1] (or be None: off)")
     if self.gen_length % self.block_length:
       raise ValueError(f"gen_length={self.gen_length} is not a multiple of "
                        f"block_length={self.block_length}")
@@ -187,7 +230,13 @@ def llada_generate(model: nnx.Module, prompt_BxP: Array, prompt_valid_BxP: Array
   picks `x̂ = argmax` of the Gumbel-perturbed logits, scores it by its softmax probability
   (`low_confidence`) or at random (`random`), and commits the scheduled number of the most
   confident still-masked tokens of the current block.
+
+  With `cache` other than `none` or a `threshold`, decoding is the approximate fast algorithm of
+  `llada_cached` instead (not the model's exact sampling distribution).
   """
+  if sampling.cache != "none" or sampling.threshold is not None:
+    from stabledrl_jax import llada_cached  # it builds on this module
+    return llada_cached.generate(model, prompt_BxP, prompt_valid_BxP, key, sampling)
   return _llada_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling)
 
 
@@ -226,13 +275,8 @@ def _llada_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: LLaDASam
                              commit_schedule(jnp.sum(still_masked, -1), steps_per_block),
                              schedule_BxS)
     logits_BxKxV = _forbid(block_logits(x_BxT, start), mask_id)
-    u_choice, u_conf = _uniforms(key, s, logits_BxKxV.shape)
-    x0_BxK = gumbel_argmax(logits_BxKxV, sampling.temperature, u_choice)
-    if sampling.remasking == "low_confidence":
-      probs = jax.nn.softmax(logits_BxKxV.astype(jnp.float32), axis=-1)
-      conf_BxK = jnp.take_along_axis(probs, x0_BxK[..., None], axis=-1)[..., 0]
-    else:
-      conf_BxK = u_conf[..., 0]
+    x0_BxK, conf_BxK = choose_tokens(logits_BxKxV, key, s, sampling.temperature,
+                                     sampling.remasking)
     k_B = schedule_BxS[:, s % steps_per_block]
     commit = select_top_k(conf_BxK, still_masked, k_B)
     block_BxK = jnp.where(commit, x0_BxK, block_BxK)
@@ -244,8 +288,10 @@ def _llada_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: LLaDASam
   when0 = jnp.full(tokens.shape, -1, jnp.int32)
   tokens, _, when = jax.lax.fori_loop(0, sampling.steps, step, (tokens, schedule0, when0))
   generated = jnp.zeros_like(valid).at[:, p:].set(True)
+  copies = 2 if sampling.cfg_scale > 0 else 1
   return _finish(tokens, positions, valid, prompt_mask, generated, jnp.full((b,), p, jnp.int32),
-                 g, stop_ids, pad_id, when)
+                 g, stop_ids, pad_id, when, sampling.steps * copies,
+                 sampling.steps * copies * tokens.shape[1])
 
 
 # ----------------------------------------------------------------------------- SDAR
@@ -381,10 +427,9 @@ def _sdar_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: SDARSampl
       x0 = gumbel_argmax(logits, 1.0 if sampling.temperature > 0 else 0.0, u_choice)
       probs = jax.nn.softmax(logits, axis=-1)
       conf = jnp.take_along_axis(probs, x0[..., None], axis=-1)[..., 0]
-      k_B = schedule_BxS[:, s]
-      commit = select_top_k(conf, still_masked, k_B)
-      if sampling.strategy == "low_confidence_dynamic":
-        commit = commit | (still_masked & (conf > sampling.threshold))
+      dynamic = sampling.strategy == "low_confidence_dynamic"
+      commit = confident_commit(conf, still_masked, schedule_BxS[:, s],
+                                sampling.threshold if dynamic else None, strict=True)
       blk = jnp.where(commit, x0, blk)
       when_blk = jnp.where(commit, step0 + n, slice_block(when, j))
       return (jax.lax.dynamic_update_slice_in_dim(x, blk, j * bs, axis=1),
@@ -410,8 +455,14 @@ def _sdar_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: SDARSampl
 
   init = (tokens, jnp.full(tokens.shape, -1, jnp.int32), jnp.int32(first_block), cache,
           jnp.ones((b,), bool), jnp.int32(0))
-  tokens, when, *_ = jax.lax.while_loop(more, block_step, init)
+  tokens, when, j_end, _, _, denoise_steps = jax.lax.while_loop(more, block_step, init)
+  # Forwards: the prompt prefill, each denoising step, each finished block's cache write.
+  prefill = int(bool(sampling.use_cache and first_block))
+  blocks_done = (j_end - first_block) * int(sampling.use_cache)
+  forwards = prefill + denoise_steps + blocks_done
+  forward_tokens = (prefill * first_block * bs + blocks_done * bs
+                    + denoise_steps * (bs if sampling.use_cache else t))
   # Rows that stopped early keep masks in later blocks: the stop truncation pads them.
   gen_start_B = jnp.argmax(generated, axis=1).astype(jnp.int32)
   return _finish(tokens, positions, valid, prompt_mask, generated, gen_start_B,
-                 sampling.gen_length, stop_ids, pad_id, when)
+                 sampling.gen_length, stop_ids, pad_id, when, forwards, forward_tokens)

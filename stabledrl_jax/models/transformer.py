@@ -227,6 +227,23 @@ class Transformer(nnx.Module):
     h_Bx2NxD, _ = self._trunk(ids_Bx2N, positions_Bx2N, mask)
     return self._head(h_Bx2NxD[:, :n]) if head else h_Bx2NxD[:, :n]
 
+  def forward_kv(self, ids_BxT: jax.Array, *, positions_BxT: jax.Array, valid_BxT: jax.Array,
+                 past=None, past_valid_BxS=None):
+    """Full-attention forward of T tokens that also attends to reused keys/values (block-wise
+    caching of LLaDA decoding). Returns (final-normed hidden states [B, T, D], the per-layer
+    (k, v) of these T tokens, each [B, T, K, H]).
+
+    `past` is a per-layer list of (k, v) [B, S, K, H] (rotated at their own positions); every
+    valid past key (`past_valid_BxS`) and every valid new key (`valid_BxT`) is attended to.
+    """
+    b, t = ids_BxT.shape
+    k_valid_BxS = jnp.asarray(valid_BxT, bool)
+    if past is not None:
+      k_valid_BxS = jnp.concatenate([jnp.asarray(past_valid_BxS, bool), k_valid_BxS], axis=1)
+    mask = attn_lib.attention_mask(jnp.zeros((b, t), jnp.int32),
+                                   jnp.zeros(k_valid_BxS.shape, jnp.int32), k_valid_BxS=k_valid_BxS)
+    return self._trunk(ids_BxT, _positions(positions_BxT, b, t), mask, past)
+
   def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
     """An empty cache of `max_len` slots (dtype defaults to the compute dtype)."""
     cfg = self.config
