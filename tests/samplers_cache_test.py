@@ -1,0 +1,271 @@
+"""Cached / threshold LLaDA decoding against a float64 NumPy loop of the Fast-dLLM algorithm.
+
+The reference is written here from the definition: its own forward (RMSNorm, RoPE at each row's
+positions, GQA attention, SwiGLU), a KV cache stored per slot, the prefix cache cut at the block
+start, the dual cache updated in place at the block's slots, and Fast-dLLM's commit rule (the
+most confident token, plus every token at or above the threshold).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from stabledrl_jax import models, samplers
+
+MASK = 127
+
+
+def _llada(n_layers=2, seed=3, sharpen=1.0):
+  m = models.create(models.tiny(family="llada", model_type="llada", qk_norm=False, n_kv_heads=2,
+                                n_layers=n_layers, block_size=None), seed=seed)
+  if sharpen != 1.0:  # peaked distributions: confidences spread over (0, 1), thresholds bite
+    m.head.kernel[...] = m.head.kernel[...] * sharpen
+  return m
+
+
+@pytest.fixture(scope="module")
+def model():
+  return _llada(seed=7, sharpen=30.0)
+
+
+def left_pad(prompts):
+  p = max(len(x) for x in prompts)
+  ids = np.zeros((len(prompts), p), np.int32)
+  valid = np.zeros((len(prompts), p), bool)
+  for i, x in enumerate(prompts):
+    ids[i, p - len(x):] = x
+    valid[i, p - len(x):] = True
+  return jnp.asarray(ids), jnp.asarray(valid)
+
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
+
+# ----------------------------------------------------------------------------- the reference
+
+
+def _np(x):
+  return np.asarray(x, np.float64)
+
+
+def np_forward(model, ids_BxN, pos_BxN, attend):
+  """Logits [B, N, V] and per-layer (k, v) of these N tokens; `attend(layer, k, v)` returns the
+  (keys, values, valid) the N queries attend to."""
+  cfg = model.config
+
+  def norm(x, w):
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.norm_eps) * _np(w)
+
+  def rope(x):
+    h = cfg.head_dim
+    ang = pos_BxN[..., None] * (1.0 / cfg.rope_theta ** (np.arange(0, h, 2) / h))
+    cos, sin = np.cos(ang)[:, :, None], np.sin(ang)[:, :, None]
+    x1, x2 = x[..., :h // 2], x[..., h // 2:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+  b, n = ids_BxN.shape
+  x = _np(model.embed.embedding[...])[ids_BxN]
+  kvs = []
+  for layer, blk in enumerate(model.blocks):
+    a = blk.attn
+    y = norm(x, blk.attn_norm.scale[...])
+    q = rope((y @ _np(a.q_proj.kernel[...])).reshape(b, n, cfg.n_heads, cfg.head_dim))
+    k = rope((y @ _np(a.k_proj.kernel[...])).reshape(b, n, cfg.n_kv_heads, cfg.head_dim))
+    v = (y @ _np(a.v_proj.kernel[...])).reshape(b, n, cfg.n_kv_heads, cfg.head_dim)
+    kvs.append((k, v))
+    keys, values, ok = attend(layer, k, v)
+    g = cfg.n_heads // cfg.n_kv_heads
+    keys, values = np.repeat(keys, g, axis=2), np.repeat(values, g, axis=2)
+    s = np.einsum("bqnh,bknh->bnqk", q, keys) / np.sqrt(cfg.head_dim)
+    s = np.where(ok[:, None, None, :], s, -np.inf)
+    pr = np.exp(s - s.max(-1, keepdims=True))
+    pr /= pr.sum(-1, keepdims=True)
+    x = x + np.einsum("bnqk,bknh->bqnh", pr, values).reshape(b, n, -1) @ _np(a.o_proj.kernel[...])
+    y = norm(x, blk.mlp_norm.scale[...])
+    gt, up = y @ _np(blk.gate_proj.kernel[...]), y @ _np(blk.up_proj.kernel[...])
+    x = x + (gt / (1 + np.exp(-gt)) * up) @ _np(blk.down_proj.kernel[...])
+  return norm(x, model.final_norm.scale[...]) @ _np(model.head.kernel[...]), kvs
+
+
+def draws(key, step, shape):
+  u = jax.random.uniform(jax.random.fold_in(key, step), (2, *shape), jnp.float32,
+                         minval=np.finfo(np.float32).tiny, maxval=1.0)
+  return np.asarray(u[0], np.float64)
+
+
+def fast_dllm_reference(model, ids, valid, key, *, gen_length, block_length, steps, cache,
+                        threshold=None, temperature=0.0, cfg_scale=0.0):
+  b, p = ids.shape
+  x = np.concatenate([np.asarray(ids), np.full((b, gen_length), MASK, np.int32)], 1)
+  ok = np.concatenate([np.asarray(valid), np.ones((b, gen_length), bool)], 1)
+  pos = np.maximum(np.cumsum(ok, 1) - 1, 0).astype(np.float64)
+  prompt = np.concatenate([np.asarray(valid), np.zeros((b, gen_length), bool)], 1)
+  if cfg_scale > 0:  # rows b.. are the unconditional copies
+    ok, pos = np.concatenate([ok, ok]), np.concatenate([pos, pos])
+
+  def forward_rows(x):
+    return x if cfg_scale == 0 else np.concatenate([x, np.where(prompt, MASK, x)])
+
+  def guided(logits):
+    if cfg_scale == 0:
+      return logits
+    return logits[b:] + (cfg_scale + 1) * (logits[:b] - logits[b:])
+
+  spb = steps // (gen_length // block_length)
+  forwards = 0
+  for blk in range(gen_length // block_length):
+    lo, hi = p + blk * block_length, p + (blk + 1) * block_length
+    counts = [[(block_length // spb) + (i < block_length % spb) for i in range(spb)]] * b
+    i = 0
+    while i < spb and (x[:, lo:hi] == MASK).any():
+      rows = forward_rows(x)
+      if i == 0 or cache == "none":
+        logits, kv = np_forward(model, rows, pos, lambda l, k, v: (k, v, ok))
+        logits = logits[:, lo:hi]
+        if i == 0:
+          cached = [(k.copy(), v.copy()) for k, v in kv]
+      elif cache == "prefix":
+        logits, _ = np_forward(model, rows[:, lo:], pos[:, lo:], lambda l, k, v: (
+            np.concatenate([cached[l][0][:, :lo], k], 1),
+            np.concatenate([cached[l][1][:, :lo], v], 1), ok))
+        logits = logits[:, :hi - lo]
+      else:  # dual: the block's fresh keys/values replace its slots in the cache
+
+        def replace(l, k, v):
+          cached[l][0][:, lo:hi], cached[l][1][:, lo:hi] = k, v
+          return cached[l][0], cached[l][1], ok
+
+        logits, _ = np_forward(model, rows[:, lo:hi], pos[:, lo:hi], replace)
+      forwards += 1
+      lb = guided(logits)
+      lb[..., MASK] = -np.inf
+      if temperature > 0:
+        lb_noisy = lb - temperature * np.log(-np.log(draws(key, blk * spb + i, lb.shape)))
+      else:
+        lb_noisy = lb
+      x0 = lb_noisy.argmax(-1)
+      e = np.exp(lb - lb.max(-1, keepdims=True))
+      conf = np.take_along_axis(e / e.sum(-1, keepdims=True), x0[..., None], -1)[..., 0]
+      for r in range(b):
+        masked = x[r, lo:hi] == MASK
+        order = [j for j in np.argsort(-np.where(masked, conf[r], -np.inf), kind="stable")
+                 if masked[j]]
+        if threshold is None:
+          chosen = order[:counts[r][i]]
+        else:
+          chosen = order[:1] + [j for j in order[1:] if conf[r, j] >= threshold]
+        chosen = np.asarray(chosen, int)
+        x[r, lo + chosen] = x0[r, chosen]
+      i += 1
+  return x[:, p:], forwards
+
+
+def run(model, prompts, key=0, **kw):
+  ids, valid = left_pad(prompts)
+  s = samplers.LLaDASampling(stop_ids=(1000,), **kw)
+  return samplers.llada_generate(model, ids, valid, jax.random.key(key), s)
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("cache,threshold,temperature,cfg", [
+    ("prefix", None, 0.0, 0.0), ("dual", None, 0.0, 0.0), ("none", 0.6, 0.0, 0.0),
+    ("prefix", 0.6, 0.0, 0.0), ("dual", 0.6, 0.0, 0.0), ("dual", 0.6, 0.8, 0.0),
+    ("prefix", None, 0.8, 1.5)])
+def test_matches_fast_dllm_reference_on_a_padded_batch(model, cache, threshold, temperature, cfg):
+  # steps / blocks == block_length: Fast-dLLM's unbounded threshold loop fits the budget.
+  kw = dict(gen_length=12, block_length=4, steps=12, temperature=temperature)
+  ids, valid = left_pad(PROMPTS)
+  want, forwards = fast_dllm_reference(model, ids, valid, jax.random.key(1), cache=cache,
+                                       threshold=threshold, cfg_scale=cfg, **kw)
+  got = run(model, PROMPTS, key=1, cache=cache, threshold=threshold, cfg_scale=cfg, **kw)
+  np.testing.assert_array_equal(got.completion_BxG, want)
+  np.testing.assert_array_equal(got.forwards_B, forwards * (2 if cfg else 1))
+
+
+def test_the_reference_cases_are_not_vacuous(model):
+  """On this model the two caches change the tokens differently and the threshold saves steps."""
+  kw = dict(gen_length=12, block_length=4, steps=12)
+  exact = np.asarray(run(model, PROMPTS, **kw).completion_BxG)
+  prefix = np.asarray(run(model, PROMPTS, cache="prefix", **kw).completion_BxG)
+  dual = np.asarray(run(model, PROMPTS, cache="dual", **kw).completion_BxG)
+  assert (prefix != exact).any() and (dual != prefix).any()
+  assert (np.asarray(run(model, PROMPTS, threshold=0.6, **kw).forwards_B) < 12).all()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_one_layer_model_every_cache_equals_the_exact_sampler(temperature):
+  # One layer: a slot's keys/values depend only on its own token and position, which do not
+  # change while they are reused, so the cache is exact.
+  m = _llada(n_layers=1, seed=5, sharpen=4.0)
+  kw = dict(gen_length=12, block_length=4, steps=6, temperature=temperature)
+  exact = run(m, PROMPTS, **kw)
+  for cache in ("prefix", "dual"):
+    got = run(m, PROMPTS, cache=cache, **kw)
+    np.testing.assert_array_equal(got.completion_BxG, exact.completion_BxG)
+    np.testing.assert_array_equal(got.commit_step_BxT, exact.commit_step_BxT)
+
+
+def test_threshold_one_is_the_schedule_and_zero_commits_a_block_per_step():
+  m = _llada()  # unsharpened: no confidence reaches 1
+  kw = dict(gen_length=12, block_length=6, steps=8)
+  exact = run(m, PROMPTS, **kw)
+  assert (np.asarray(exact.forwards_B) == 8).all()
+  one = run(m, PROMPTS, threshold=1.0, **kw)
+  np.testing.assert_array_equal(one.completion_BxG, exact.completion_BxG)
+  np.testing.assert_array_equal(one.commit_step_BxT, exact.commit_step_BxT)
+  for cache in ("none", "dual"):
+    zero = run(m, PROMPTS, cache=cache, threshold=0.0, **kw)
+    when = np.asarray(zero.commit_step_BxT)[:, 5:]
+    np.testing.assert_array_equal(when, np.repeat([[0] * 6 + [4] * 6], 3, axis=0))
+    assert (np.asarray(zero.forwards_B) == 2).all()
+
+
+def test_never_more_steps_than_the_budget(model):
+  # 2 steps per block of 6: the budget binds, ⌈m / r⌉ commits finish every block.
+  ids, valid = left_pad(PROMPTS)
+  t = ids.shape[1] + 12
+  r = run(model, PROMPTS, gen_length=12, block_length=6, steps=4, cache="dual", threshold=0.99)
+  assert not (np.asarray(r.completion_BxG) == MASK).any()
+  assert (np.asarray(r.forwards_B) <= 4).all()
+  when = np.asarray(r.commit_step_BxT)[:, ids.shape[1]:]
+  assert set(np.unique(when)) <= {0, 1, 2, 3}
+  if (np.asarray(r.forwards_B) == 4).all():
+    assert (np.asarray(r.forward_tokens_B) == 2 * (t + 6)).all()
+
+
+def test_row_alone_equals_row_in_padded_batch(model):
+  # Greedy: the draws are shaped like the batch, so only greedy rows can be compared alone.
+  kw = dict(gen_length=12, block_length=4, steps=12, cache="dual", threshold=0.6)
+  batch = run(model, PROMPTS, **kw)
+  for i, pr in enumerate(PROMPTS):
+    alone = run(model, [pr], **kw)
+    np.testing.assert_array_equal(alone.completion_BxG[0], batch.completion_BxG[i])
+
+
+def test_forward_counts_of_the_exact_and_prefix_samplers(model):
+  ids, _ = left_pad(PROMPTS)
+  p = ids.shape[1]
+  exact = run(model, PROMPTS, gen_length=8, block_length=4, steps=4)
+  np.testing.assert_array_equal(exact.forward_tokens_B, [4 * (p + 8)] * 3)
+  pre = run(model, PROMPTS, gen_length=8, block_length=4, steps=4, cache="prefix")
+  # Per block: one full forward, then one forward of the block and its suffix.
+  np.testing.assert_array_equal(pre.forward_tokens_B, [2 * (p + 8) + 8 + 4] * 3)
+
+
+def test_bad_settings_name_the_value():
+  with pytest.raises(ValueError, match="'bogus'"):
+    samplers.LLaDASampling(gen_length=8, block_length=4, steps=4, cache="bogus")
+  with pytest.raises(ValueError, match="threshold=1.5"):
+    samplers.LLaDASampling(gen_length=8, block_length=4, steps=4, threshold=1.5)
+
+
+def test_confident_commit_is_top_k_plus_threshold():
+  conf = jnp.asarray([[0.1, 0.5, 0.3, 0.9], [0.2, 0.2, 0.2, 0.2]])
+  ok = jnp.asarray([[True, True, True, False], [True, True, True, True]])
+  got = samplers.confident_commit(conf, ok, jnp.asarray([1, 1]), 0.3)
+  np.testing.assert_array_equal(got, [[False, True, True, False], [True, False, False, False]])
+  strict = samplers.confident_commit(conf, ok, jnp.asarray([1, 0]), 0.3, strict=True)
+  np.testing.assert_array_equal(strict, [[False, True, False, False], [False] * 4])
+  np.testing.assert_array_equal(samplers.min_commits(jnp.asarray([5, 3, 1, 0]), 2), [3, 2, 1, 0])
