@@ -121,6 +121,10 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.sampler.temperature = 0.7   # rollouts; evaluation is greedy
   c.sampler.remasking = "low_confidence"
   c.sampler.strategy = "low_confidence_static"
+  # Rollouts only (evaluation decodes exactly). LLaDA: block-wise KV reuse none | prefix | dual;
+  # threshold: commit every token this confident (0 = off; SDAR: low_confidence_dynamic's).
+  c.sampler.cache = "none"
+  c.sampler.threshold = 0.0
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 10             # RL steps between held-out evaluations
@@ -262,6 +266,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
       bad("task.sft_unfilled", "must lie in [0, 1)")
   if c.sampler.temperature < 0:
     bad("sampler.temperature", "must be >= 0")
+  if c.sampler.cache not in ("none", "prefix", "dual") or (
+      c.family == "sdar" and c.sampler.cache != "none"):
+    bad("sampler.cache", "expected none, prefix or dual (LLaDA only; SDAR decodes with its cache)")
+  if not 0 <= c.sampler.threshold <= 1:
+    bad("sampler.threshold", "must lie in [0, 1] (0 = off)")
   if c.family == "llada":
     if c.sampler.gen_length % c.sampler.block_length:
       bad("sampler.block_length", f"must divide sampler.gen_length={c.sampler.gen_length}")

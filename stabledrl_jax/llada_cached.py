@@ -31,6 +31,8 @@ gradients still come from the exact model.
 """
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -146,3 +148,36 @@ def _generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: S.LLaDASamplin
   generated = jnp.zeros_like(valid).at[:, p:].set(True)
   return S._finish(tokens, positions, valid, prompt_mask, generated, jnp.full((b,), p, jnp.int32),
                    g, stop_ids, pad_id, when, forwards, forward_tokens)
+
+
+# ----------------------------------------------------------------------------- step log
+
+
+def sampler_label(sampling) -> str:
+  """Which sampler produced a rollout: `exact`, or the approximation's settings."""
+  if isinstance(sampling, S.LLaDASampling):
+    if sampling.cache == "none" and sampling.threshold is None:
+      return "llada exact"
+    return f"llada cache={sampling.cache} threshold={sampling.threshold}"
+  if sampling.strategy == "low_confidence_dynamic":
+    return f"sdar {sampling.strategy} threshold={sampling.threshold}"
+  return f"sdar {sampling.strategy}"
+
+
+@jax.jit
+def _rollout_sums(forwards_B, forward_tokens_B, lengths_B):
+  # One program: op by op, each jnp call on a multi-process array is its own SPMD program.
+  return (jnp.mean(forwards_B.astype(jnp.float32)), jnp.mean(forward_tokens_B.astype(jnp.float32)),
+          jnp.sum(lengths_B))
+
+
+def rollout_record(sampling, rollout: S.Rollout, started: float) -> dict:
+  """The rollout phase's step log (waits for the rollout): sampler, forwards per rollout, tokens
+  forwarded per rollout, seconds since `started` (`time.perf_counter()`), generated tokens/s."""
+  jax.block_until_ready(rollout.lengths_B)
+  seconds = max(time.perf_counter() - started, 1e-9)
+  forwards, forward_tokens, tokens = _rollout_sums(rollout.forwards_B, rollout.forward_tokens_B,
+                                                   rollout.lengths_B)
+  return {"rollout_sampler": sampler_label(sampling), "rollout_forwards": float(forwards),
+          "rollout_forward_tokens": float(forward_tokens), "rollout_s": seconds,
+          "rollout_tokens_per_s": float(tokens) / seconds}

@@ -22,6 +22,7 @@ from jax.experimental import multihost_utils
 
 from stabledrl_jax import (checkpointing, config_lib, controls, diagnostics, distributed, flops,
                            likelihood, losses, metrics, models, rl, samplers, sharding)
+from stabledrl_jax import llada_cached
 from stabledrl_jax import tasks
 from stabledrl_jax.tasks import datasets, get_task, pipeline, sudoku
 from stabledrl_jax.tasks.tokenizer import CharTokenizer, HFTokenizer
@@ -99,13 +100,18 @@ def _scale_by_lr_scale() -> optax.GradientTransformationExtraArgs:
   return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
 
 
-def sampling_settings(c: ml_collections.ConfigDict, temperature: float):
+def sampling_settings(c: ml_collections.ConfigDict, temperature: float, rollout: bool = True):
+  """Decoding settings; `sampler.cache` / `sampler.threshold` apply to rollouts only (evaluation
+  passes `rollout=False` and keeps the exact sampler)."""
   s = c.sampler
+  fast = {"cache": s.cache, "threshold": s.threshold or None} if rollout else {}
   if c.family == "llada":
     return samplers.LLaDASampling(gen_length=s.gen_length, block_length=s.block_length,
-                                  steps=s.steps, temperature=temperature, remasking=s.remasking)
+                                  steps=s.steps, temperature=temperature, remasking=s.remasking,
+                                  **fast)
+  threshold = {"threshold": s.threshold} if rollout and s.threshold else {}
   return samplers.SDARSampling(gen_length=s.gen_length, steps=s.steps, strategy=s.strategy,
-                               temperature=temperature, block_size=c.model.block_size)
+                               temperature=temperature, block_size=c.model.block_size, **threshold)
 
 
 def generate(model, prompt_ids, prompt_mask, key, sampling, *, rows: int | None = None,
@@ -298,7 +304,7 @@ def score(data: Data, rollout: samplers.Rollout, examples, reward_fn, start: int
 def evaluate(c, data: Data, model, rollout_mesh=None) -> dict[str, float]:
   """Greedy decoding on the held-out examples: mean task score (`accuracy`) and solve rate.
   Every process decodes its share and grades all of them, so all get the same result."""
-  sampling = sampling_settings(c, temperature=0.0)
+  sampling = sampling_settings(c, temperature=0.0, rollout=False)
   scores, solved = [], []
   for lo in range(0, len(data.test), c.eval.batch_size):
     exs = data.test[lo:lo + c.eval.batch_size]
@@ -519,8 +525,11 @@ def rl_iteration(c, data: Data, model, ref_model, optimizer, key, obj: rl.Object
   mask = np.repeat(batch["prompt_mask_BxL"], group, axis=0)
   examples = [ex for ex in batch["examples"] for _ in range(group)]
   rows, start = c.rl.prompts_per_step * group, data.rl_rows[0] * group
-  rollout = generate(model, ids, mask, k_roll, sampling_settings(c, c.sampler.temperature),
-                     rows=rows, start=start, rollout_mesh=rollout_mesh)
+  sampling = sampling_settings(c, c.sampler.temperature)
+  t_rollout = time.perf_counter()
+  rollout = generate(model, ids, mask, k_roll, sampling, rows=rows, start=start,
+                     rollout_mesh=rollout_mesh)
+  rollout_log = llada_cached.rollout_record(sampling, rollout, t_rollout)
   rewards = sharding.shard_batch(score(data, rollout, examples, data.reward_fn, start),
                                  sharding.model_mesh(model), rows=rows, start=start)
   adv = _advantages(rewards, group_size=group, mode=c.rl.advantage)
@@ -538,6 +547,7 @@ def rl_iteration(c, data: Data, model, ref_model, optimizer, key, obj: rl.Object
       rewards_B=rewards, group_size=group, mask_BxL=rollout.completion_mask_BxG,
       tokens_BxL=rollout.completion_BxG)))
   record["_tokens"] = int(jnp.sum(rollout.lengths_B))
+  record.update(rollout_log)
   seqs = rl_batch.seqs
   record["_flops"] = flops.rl_step_flops(model.config, flops.StepShape(
       rows=seqs.tokens_BxT.shape[0], prompt=ids.shape[1], gen=c.sampler.gen_length,

@@ -269,3 +269,40 @@ def test_confident_commit_is_top_k_plus_threshold():
   strict = samplers.confident_commit(conf, ok, jnp.asarray([1, 0]), 0.3, strict=True)
   np.testing.assert_array_equal(strict, [[False, True, False, False], [False] * 4])
   np.testing.assert_array_equal(samplers.min_commits(jnp.asarray([5, 3, 1, 0]), 2), [3, 2, 1, 0])
+
+
+def test_config_keys_reach_rollouts_only_and_bad_values_are_named():
+  from stabledrl_jax import config_lib, train
+  c = config_lib.base_config("llada")
+  c.sampler.cache, c.sampler.threshold = "dual", 0.9
+  config_lib.validate(c)
+  roll = train.sampling_settings(c, 0.7)
+  assert (roll.cache, roll.threshold) == ("dual", 0.9)
+  evaluation = train.sampling_settings(c, 0.0, rollout=False)
+  assert (evaluation.cache, evaluation.threshold) == ("none", None)
+  c.sampler.threshold = 0.0
+  assert train.sampling_settings(c, 0.7).threshold is None  # 0 = off
+  for key, value in (("cache", "bogus"), ("threshold", 1.5)):
+    c = config_lib.base_config("llada")
+    c.sampler[key] = value
+    with pytest.raises(ValueError, match=f"config.sampler.{key}={value!r}"):
+      config_lib.validate(c)
+  c = config_lib.base_config("sdar")
+  c.sampler.cache = "prefix"
+  with pytest.raises(ValueError, match="config.sampler.cache='prefix'"):
+    config_lib.validate(c)
+
+
+def test_rollout_record_names_the_sampler_and_counts_forwards(model):
+  import time
+  from stabledrl_jax import llada_cached
+  s = samplers.LLaDASampling(gen_length=8, block_length=4, steps=4, cache="prefix",
+                             stop_ids=(1000,))
+  started = time.perf_counter()
+  r = samplers.llada_generate(model, *left_pad(PROMPTS), jax.random.key(0), s)
+  rec = llada_cached.rollout_record(s, r, started)
+  assert rec["rollout_sampler"] == "llada cache=prefix threshold=None"
+  assert rec["rollout_forwards"] == float(np.asarray(r.forwards_B)[0])
+  assert rec["rollout_tokens_per_s"] > 0
+  assert llada_cached.sampler_label(samplers.LLaDASampling(gen_length=8, block_length=4,
+                                                            steps=4)) == "llada exact"
