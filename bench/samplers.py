@@ -9,6 +9,13 @@ the KV cache and once recomputing the whole prefix every step (`use_cache=False`
 fixed length of random ids and the stop id is -1, which no model can emit, so every row
 generates all `gen_length` tokens (checked on every run).
 
+LLaDA fast decoding (`llada_cached`, issue 19) adds `llada_prefix` and `llada_dual` (block-wise
+KV reuse, scheduled commits), `llada_threshold` (full forwards, confidence-threshold commits) and
+`llada_dual_threshold`, at `--llada-threshold` (0.9). Their speed-up column is the exact LLaDA
+sampler's median over theirs. On randomly initialised weights no confidence reaches a useful
+threshold, so the threshold modes run their whole step budget here: their gain is a property of
+trained weights, not measured by this bench.
+
 Timing. Each sampler is compiled ahead of time (trace + lower + compile, reported as "compile s");
 the compiled program is then run `--runs` times, each to `jax.block_until_ready`, and the median
 is reported. The samplers' runs are interleaved (cache, no cache, LLaDA, cache, ...) so that each
@@ -38,7 +45,11 @@ from flax import nnx  # noqa: E402
 from stabledrl_jax import models  # noqa: E402
 from stabledrl_jax import samplers  # noqa: E402
 
-SAMPLERS = ("llada", "sdar_cache", "sdar_nocache")
+SAMPLERS = ("llada", "sdar_cache", "sdar_nocache", "llada_prefix", "llada_dual", "llada_threshold",
+            "llada_dual_threshold")
+# The LLaDA fast modes: (cache, uses the threshold).
+LLADA_FAST = {"llada_prefix": ("prefix", False), "llada_dual": ("dual", False),
+              "llada_threshold": ("none", True), "llada_dual_threshold": ("dual", True)}
 # A stop id no model can emit: `jnp.isin` never matches it, so no row stops early.
 NEVER_STOP = (-1,)
 DEFAULT_BATCH = {"tiny": 8}  # other presets: 1 (the ~100M model on a small CPU)
@@ -53,15 +64,18 @@ class Row:
   batch: int
   gen_tokens: int        # batch x gen_length, per run
   forwards: str          # model forwards per run (what each one covers)
+  model_forwards: int    # forwards per run, counted by the sampler
+  forward_tokens: int    # tokens per row those forwards processed, counted by the sampler
   compile_s: float       # trace + lower + XLA compile
   run_s: float           # median over the timed runs
   runs: int
   tokens_per_s: float
-  cache_speedup: float | None  # sdar_cache only: median(no cache) / median(cache)
+  cache_speedup: float | None  # sdar_cache: median(no cache) / median(cache); LLaDA fast
+                               # modes: median(llada) / median(mode)
 
 
 def _config(preset: str, sampler: str, compute_dtype: str) -> models.ModelConfig:
-  if sampler == "llada":
+  if sampler.startswith("llada"):
     # The LLaDA sampler only runs full attention; use a LLaDA-family copy of the same shapes.
     return models.preset(preset, family="llada", qk_norm=False, block_size=None,
                          compute_dtype=compute_dtype)
@@ -69,10 +83,12 @@ def _config(preset: str, sampler: str, compute_dtype: str) -> models.ModelConfig
 
 
 def _sampling(sampler: str, gen_length: int, llada_steps: int, llada_block: int,
-              sdar_steps: int):
-  if sampler == "llada":
+              sdar_steps: int, llada_threshold: float = 0.9):
+  if sampler.startswith("llada"):
+    cache, threshold = LLADA_FAST.get(sampler, ("none", False))
     return samplers.LLaDASampling(gen_length=gen_length, block_length=llada_block,
-                                  steps=llada_steps, temperature=0.0, stop_ids=NEVER_STOP)
+                                  steps=llada_steps, temperature=0.0, stop_ids=NEVER_STOP,
+                                  cache=cache, threshold=llada_threshold if threshold else None)
   return samplers.SDARSampling(gen_length=gen_length, steps=sdar_steps,
                                strategy="low_confidence_static", temperature=0.0,
                                use_cache=sampler == "sdar_cache", stop_ids=NEVER_STOP)
@@ -81,7 +97,7 @@ def _sampling(sampler: str, gen_length: int, llada_steps: int, llada_block: int,
 def _compile(sampler: str, model, prompt_BxP, valid_BxP, key, sampling):
   """AOT-compiles the public sampler entry point; returns `(run(), compile seconds)`."""
   graphdef, state = nnx.split(model)
-  generate = samplers.llada_generate if sampler == "llada" else samplers.sdar_generate
+  generate = samplers.llada_generate if sampler.startswith("llada") else samplers.sdar_generate
 
   def pure(state, prompt_BxP, valid_BxP, key):
     return generate(nnx.merge(graphdef, state), prompt_BxP, valid_BxP, key, sampling)
@@ -105,7 +121,7 @@ def _check_full(rollout: samplers.Rollout, gen_length: int, mask_id: int, what: 
 def measure(preset: str, *, batch: int, gen_length: int = 256, prompt_length: int = 64,
             runs: int = 2, llada_steps: int = 128, llada_block: int = 32, sdar_steps: int = 4,
             compute_dtype: str = "float32", which: tuple[str, ...] = SAMPLERS,
-            log: Callable[[str], None] = lambda s: None) -> list[Row]:
+            llada_threshold: float = 0.9, log: Callable[[str], None] = lambda s: None) -> list[Row]:
   """Compiles and times each sampler in `which` on `preset`; returns one `Row` per sampler."""
   unknown = set(which) - set(SAMPLERS)
   if unknown:
@@ -113,7 +129,7 @@ def measure(preset: str, *, batch: int, gen_length: int = 256, prompt_length: in
   if runs < 1:
     raise ValueError(f"runs must be >= 1, got {runs}")
   key = jax.random.PRNGKey(0)
-  fns, compile_s, forwards = {}, {}, {}
+  fns, compile_s, forwards, counts = {}, {}, {}, {}
   for name in which:
     cfg = _config(preset, name, compute_dtype)
     model = models.create(cfg, seed=0)
@@ -121,12 +137,16 @@ def measure(preset: str, *, batch: int, gen_length: int = 256, prompt_length: in
     prompt_BxP = jax.random.randint(jax.random.PRNGKey(1), (batch, prompt_length), 2,
                                     cfg.mask_token_id, dtype=jnp.int32)
     valid_BxP = jnp.ones((batch, prompt_length), bool)
-    sampling = _sampling(name, gen_length, llada_steps, llada_block, sdar_steps)
+    sampling = _sampling(name, gen_length, llada_steps, llada_block, sdar_steps, llada_threshold)
     log(f"{preset}/{name}: compiling")
     fns[name], compile_s[name] = _compile(name, model, prompt_BxP, valid_BxP, key, sampling)
     log(f"{preset}/{name}: compiled in {compile_s[name]:.1f} s")
-    steps = _check_full(fns[name](), gen_length, cfg.mask_token_id, f"{preset}/{name}")
-    if name == "llada":
+    rollout = fns[name]()
+    steps = _check_full(rollout, gen_length, cfg.mask_token_id, f"{preset}/{name}")
+    counts[name] = (int(rollout.forwards_B[0]), int(rollout.forward_tokens_B[0]))
+    if name in LLADA_FAST:
+      forwards[name] = f"{counts[name][0]} (variable length)"
+    elif name == "llada":
       forwards[name] = f"{steps} x {prompt_length + gen_length} tok"
     else:
       bs = sampling.block_size or cfg.block_size
@@ -147,12 +167,16 @@ def measure(preset: str, *, batch: int, gen_length: int = 256, prompt_length: in
       times[name].append(time.perf_counter() - start)
       log(f"{preset}/{name}: run {i + 1}/{runs} {times[name][-1]:.3f} s")
   median = {name: statistics.median(ts) for name, ts in times.items()}
-  speedup = (median["sdar_nocache"] / median["sdar_cache"]
-             if {"sdar_cache", "sdar_nocache"} <= set(which) else None)
+  speedup = {}
+  if {"sdar_cache", "sdar_nocache"} <= set(which):
+    speedup["sdar_cache"] = median["sdar_nocache"] / median["sdar_cache"]
+  if "llada" in which:
+    speedup.update({name: median["llada"] / median[name] for name in which if name in LLADA_FAST})
   return [Row(preset=preset, sampler=name, batch=batch, gen_tokens=batch * gen_length,
-              forwards=forwards[name], compile_s=compile_s[name], run_s=median[name], runs=runs,
-              tokens_per_s=batch * gen_length / median[name],
-              cache_speedup=speedup if name == "sdar_cache" else None)
+              forwards=forwards[name], model_forwards=counts[name][0],
+              forward_tokens=counts[name][1], compile_s=compile_s[name], run_s=median[name],
+              runs=runs, tokens_per_s=batch * gen_length / median[name],
+              cache_speedup=speedup.get(name))
           for name in which]
 
 
@@ -173,12 +197,13 @@ def machine() -> str:
 
 def table(rows: list[Row]) -> str:
   """Markdown table of the rows."""
-  lines = ["| preset | sampler | batch | gen tokens | forwards / run | compile s | run s "
-           "(median of n) | tokens/s | cache speed-up |",
-           "|---|---|---:|---:|---|---:|---:|---:|---:|"]
+  lines = ["| preset | sampler | batch | gen tokens | forwards / run | forwards | token-forwards "
+           "/ row | compile s | run s (median of n) | tokens/s | speed-up |",
+           "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
     speedup = f"{r.cache_speedup:.2f}x" if r.cache_speedup is not None else ""
     lines.append(f"| {r.preset} | {r.sampler} | {r.batch} | {r.gen_tokens} | {r.forwards} | "
+                 f"{r.model_forwards} | {r.forward_tokens} | "
                  f"{r.compile_s:.1f} | {r.run_s:.3f} (n={r.runs}) | {r.tokens_per_s:,.1f} | "
                  f"{speedup} |")
   return "\n".join(lines)
@@ -197,6 +222,7 @@ def main():
   parser.add_argument("--llada-steps", type=int, default=128)
   parser.add_argument("--llada-block", type=int, default=32)
   parser.add_argument("--sdar-steps", type=int, default=4)
+  parser.add_argument("--llada-threshold", type=float, default=0.9)
   parser.add_argument("--compute-dtype", default="float32",
                       help="float32 (default: faster than bfloat16 on CPU) or bfloat16")
   args = parser.parse_args()
@@ -212,6 +238,7 @@ def main():
                     runs=args.runs or DEFAULT_RUNS.get(preset, 2), llada_steps=args.llada_steps,
                     llada_block=args.llada_block, sdar_steps=args.sdar_steps,
                     compute_dtype=args.compute_dtype, which=tuple(args.samplers.split(",")),
+                    llada_threshold=args.llada_threshold,
                     log=lambda s: print(f"  {s}", file=sys.stderr, flush=True))
   print(table(rows))
   print(f"# total {time.perf_counter() - start:.0f} s; load average at the end "
