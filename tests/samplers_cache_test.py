@@ -306,3 +306,17 @@ def test_rollout_record_names_the_sampler_and_counts_forwards(model):
   assert rec["rollout_tokens_per_s"] > 0
   assert llada_cached.sampler_label(samplers.LLaDASampling(gen_length=8, block_length=4,
                                                             steps=4)) == "llada exact"
+
+
+def test_cached_decoding_runs_sharded_over_the_batch(model):
+  prompts = [[5 + i, 6, 7 + i % 3][: 1 + i % 3] for i in range(8)]
+  ids, valid = left_pad(prompts)
+  s = samplers.LLaDASampling(gen_length=8, block_length=4, steps=4, cache="dual", threshold=0.6,
+                             stop_ids=(1000,))
+  plain = samplers.llada_generate(model, ids, valid, jax.random.key(0), s)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  sharded = samplers.llada_generate(model, jax.device_put(ids, rows), jax.device_put(valid, rows),
+                                    jax.random.key(0), s)
+  np.testing.assert_array_equal(sharded.tokens_BxT, plain.tokens_BxT)
+  np.testing.assert_array_equal(sharded.forwards_B, plain.forwards_B)
