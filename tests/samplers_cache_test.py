@@ -309,14 +309,13 @@ def test_rollout_record_names_the_sampler_and_counts_forwards(model):
 
 
 def test_cached_decoding_runs_sharded_over_the_batch(model):
-  prompts = [[5 + i, 6, 7 + i % 3][: 1 + i % 3] for i in range(8)]
-  ids, valid = left_pad(prompts)
+  ids, valid = left_pad([[5 + i, 6, 7 + i % 3][: 1 + i % 3] for i in range(8)])
   s = samplers.LLaDASampling(gen_length=8, block_length=4, steps=4, cache="dual", threshold=0.6,
                              stop_ids=(1000,))
-  plain = samplers.llada_generate(model, ids, valid, jax.random.key(0), s)
-  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-  sharded = samplers.llada_generate(model, jax.device_put(ids, rows), jax.device_put(valid, rows),
-                                    jax.random.key(0), s)
+  over_rows = jax.sharding.NamedSharding(
+      jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,)),
+      jax.sharding.PartitionSpec("data"))
+  plain, sharded = (samplers.llada_generate(model, *args, jax.random.key(0), s)
+                    for args in ((ids, valid), jax.device_put((ids, valid), over_rows)))
   np.testing.assert_array_equal(sharded.tokens_BxT, plain.tokens_BxT)
   np.testing.assert_array_equal(sharded.forwards_B, plain.forwards_B)
