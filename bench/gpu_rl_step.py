@@ -60,7 +60,7 @@ def measure(args) -> list[tuple[str, ...]]:
                                    temperature=1.0, block_size=cfg.block_size)
   rollout = samplers.sdar_generate(model, prompts, valid, jax.random.key(0), sampling)
   t_sample = best_seconds(lambda: samplers.sdar_generate(model, prompts, valid, jax.random.key(0),
-                                                          sampling).tokens_BxT, args.runs)
+                                                          sampling).tokens_BxL, args.runs)
 
   optim = ml_collections.ConfigDict(dict(grad_clip=1.0, b1=0.9, b2=0.99, weight_decay=0.0,
                                          decay_steps=0))
@@ -73,10 +73,10 @@ def measure(args) -> list[tuple[str, ...]]:
   t_update = best_seconds(lambda: train.rl_step(model, opt, batch, jax.random.key(2), obj=obj,
                                                 accumulation=args.accumulation)["loss"], args.runs)
   t_behaviour = best_seconds(
-      lambda: train.behaviour_pass(model, None, seqs, adv, jax.random.key(1), obj)[0].logp_old_BxMxT,
+      lambda: train.behaviour_pass(model, None, seqs, adv, jax.random.key(1), obj)[0].logp_old_BxMxL,
       args.runs)
 
-  total = seqs.tokens_BxT.shape[1]
+  total = seqs.tokens_BxL.shape[1]
   f = flops.rl_step_flops(cfg, flops.StepShape(
       rows=b, prompt=args.prompt_len, gen=args.gen, total=total, samples=args.samples, updates=1,
       sampler_steps=args.sampler_steps, block=cfg.block_size, staircase=True))

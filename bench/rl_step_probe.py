@@ -57,8 +57,8 @@ def main() -> None:
   exs = data.test[:args.prompts]
   enc = pipeline.encode_prompts(data.task, exs, tok, max_prompt_len=c.task.max_prompt_len,
                                 style=c.task.prompt_style, chat=c.task.chat)
-  ids = np.repeat(enc["prompt_ids_BxL"], g, 0)
-  mask = np.repeat(enc["prompt_mask_BxL"], g, 0)
+  ids = np.repeat(enc["prompt_ids_BxP"], g, 0)
+  mask = np.repeat(enc["prompt_mask_BxP"], g, 0)
   examples = [e for e in exs for _ in range(g)]
   sampling = train.sampling_settings(c, c.sampler.temperature)
   obj = train.objective_settings(c)

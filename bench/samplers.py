@@ -111,11 +111,11 @@ def _compile(sampler: str, model, prompt_BxP, valid_BxP, key, sampling):
 def _check_full(rollout: samplers.Rollout, gen_length: int, mask_id: int, what: str) -> int:
   """Every row generated all its tokens; returns the number of decoding steps taken."""
   lengths = np.asarray(rollout.lengths_B)
-  completion = np.asarray(rollout.completion_BxG)
+  completion = np.asarray(rollout.completion_BxC)
   if not (lengths == gen_length).all() or (completion == mask_id).any():
     raise RuntimeError(f"{what}: rows did not generate all {gen_length} tokens "
                        f"(lengths {lengths.tolist()})")
-  return int(np.asarray(rollout.commit_step_BxT).max()) + 1
+  return int(np.asarray(rollout.commit_step_BxL).max()) + 1
 
 
 def measure(preset: str, *, batch: int, gen_length: int = 256, prompt_length: int = 64,

@@ -117,7 +117,7 @@ def rl_batch_shapes(c, cfg: models.ModelConfig, mesh) -> rl.RLBatch:
       jax.ShapeDtypeStruct((b, p), jnp.int32), jax.ShapeDtypeStruct((b, p), bool),
       jax.ShapeDtypeStruct((b, g), jnp.int32))
   seqs = jax.tree.map(lambda x: _batched(x.shape, x.dtype, mesh), seqs)
-  t = seqs.tokens_BxT.shape[1]
+  t = seqs.tokens_BxL.shape[1]
   return rl.RLBatch(seqs, _batched((b,), jnp.float32, mesh), _batched((b, m, t), bool, mesh),
                     *(_batched((b, m, t), jnp.float32, mesh) for _ in range(3)))
 

@@ -1,7 +1,7 @@
 """Per-token log-probabilities of a batch under Monte Carlo masks: the model side of the ELBO.
 
 `estimators` decides which tokens to mask and how to weigh them; this module runs the model on
-the corrupted copies and returns `log p_θ(x_i | x_t)` for every position, `[B, M, T]`. Full
+the corrupted copies and returns `log p_θ(x_i | x_t)` for every position, `[B, M, L]`. Full
 attention models (LLaDA) see each corrupted copy on its own; block-diffusion models (SDAR) see
 `[x_t ; x_0]` through the staircase mask, so one forward gives every block's logits conditioned on
 its clean prefix (docs/method.md §4).
@@ -20,75 +20,75 @@ Array = jax.Array
 
 class Sequences(NamedTuple):
   """A batch of prompt + completion in a sampler layout (see `samplers`)."""
-  tokens_BxT: Array
-  positions_BxT: Array
-  valid_BxT: Array       # real tokens
-  prompt_BxT: Array      # prompt tokens
-  completion_BxT: Array  # the generated region (noised by estimators)
-  counted_BxT: Array     # completion positions that count (up to the first stop token)
+  tokens_BxL: Array
+  positions_BxL: Array
+  valid_BxL: Array       # real tokens
+  prompt_BxL: Array      # prompt tokens
+  completion_BxL: Array  # the generated region (noised by estimators)
+  counted_BxL: Array     # completion positions that count (up to the first stop token)
 
 
 def from_rollout(rollout: samplers.Rollout) -> Sequences:
-  completion = rollout.valid_BxT & ~rollout.prompt_mask_BxT
-  return Sequences(rollout.tokens_BxT, rollout.positions_BxT, rollout.valid_BxT,
-                   rollout.prompt_mask_BxT, completion, rollout.completion_mask_BxT)
+  completion = rollout.valid_BxL & ~rollout.prompt_mask_BxL
+  return Sequences(rollout.tokens_BxL, rollout.positions_BxL, rollout.valid_BxL,
+                   rollout.prompt_mask_BxL, completion, rollout.completion_mask_BxL)
 
 
 def sample(key: Array, seqs: Sequences, *, scheme: str, num_samples: int, p_mask_prompt: float,
            block_size: int) -> estimators.MaskSample:
   """`estimators.sample_masks` for this batch's completion, counted and prompt positions."""
-  return estimators.sample_masks(key, seqs.completion_BxT, scheme=scheme, num_samples=num_samples,
-                                 counted_BxL=seqs.counted_BxT, prompt_BxL=seqs.prompt_BxT,
+  return estimators.sample_masks(key, seqs.completion_BxL, scheme=scheme, num_samples=num_samples,
+                                 counted_BxL=seqs.counted_BxL, prompt_BxL=seqs.prompt_BxL,
                                  p_mask_prompt=p_mask_prompt, block_size=block_size)
 
 
 def masked_hidden(model, seqs: Sequences, noised_BxMxL: Array, *, staircase: bool,
                   block_size: int | None = None) -> Array:
-  """Final-normed hidden states for every position of every masked copy, `[B*M, T, D]`."""
+  """Final-normed hidden states for every position of every masked copy, `[B*M, L, D]`."""
   b, m, t = noised_BxMxL.shape
   cfg = model.config
-  noisy = estimators.apply_masks(seqs.tokens_BxT, noised_BxMxL, cfg.mask_token_id).reshape(b * m, t)
+  noisy = estimators.apply_masks(seqs.tokens_BxL, noised_BxMxL, cfg.mask_token_id).reshape(b * m, t)
 
-  def tile(x_BxT):
-    return jnp.repeat(x_BxT, m, axis=0)
+  def tile(x_BxL):
+    return jnp.repeat(x_BxL, m, axis=0)
 
   if staircase:
-    return model.staircase_logits(noisy, tile(seqs.tokens_BxT), block_size=block_size,
-                                  positions=tile(seqs.positions_BxT),
-                                  valid_BxN=tile(seqs.valid_BxT), head=False)
-  return model.logits(noisy, attention="full", positions=tile(seqs.positions_BxT),
-                      valid_BxL=tile(seqs.valid_BxT), head=False)
+    return model.staircase_logits(noisy, tile(seqs.tokens_BxL), block_size=block_size,
+                                  positions=tile(seqs.positions_BxL),
+                                  valid_BxN=tile(seqs.valid_BxL), head=False)
+  return model.logits(noisy, attention="full", positions=tile(seqs.positions_BxL),
+                      valid_BxL=tile(seqs.valid_BxL), head=False)
 
 
 # Logits held at once per chunk of positions: rows x chunk x vocab float32 values (64 MiB per row).
 _CHUNK_ELEMENTS = 2**24
 
 
-def head_logp(model, h_NxTxD: Array, targets_NxT: Array, *, with_entropy: bool = False):
-  """`log p(target)` `[N, T]` (and the prediction's entropy) from hidden states, the head run on
-  chunks of positions under `jax.checkpoint`: full `[N, T, V]` logits never exist at once, in the
+def head_logp(model, h_NxLxD: Array, targets_NxL: Array, *, with_entropy: bool = False):
+  """`log p(target)` `[N, L]` (and the prediction's entropy) from hidden states, the head run on
+  chunks of positions under `jax.checkpoint`: full `[N, L, V]` logits never exist at once, in the
   forward or the backward pass (an 8B vocabulary of 152k makes them the largest tensor)."""
-  n, t, d = h_NxTxD.shape
+  n, t, d = h_NxLxD.shape
   chunk = max(1, min(t, _CHUNK_ELEMENTS // model.config.vocab_size))
   pad = (-t) % chunk
 
   @jax.checkpoint
   def one(args):
-    h_NxCxD, tgt_NxC = args
-    logits = model.head_logits(h_NxCxD)
-    lp = estimators.token_logp(logits, tgt_NxC)
+    h_NxQxD, tgt_NxQ = args
+    logits = model.head_logits(h_NxQxD)
+    lp = estimators.token_logp(logits, tgt_NxQ)
     ent = diagnostics.token_entropies(logits) if with_entropy else jnp.zeros_like(lp)
     return lp, ent
 
   if pad == 0 and chunk == t:
-    lp, ent = one((h_NxTxD, targets_NxT))
+    lp, ent = one((h_NxLxD, targets_NxL))
   else:
-    h = jnp.pad(h_NxTxD, ((0, 0), (0, pad), (0, 0)))
-    tgt = jnp.pad(targets_NxT, ((0, 0), (0, pad)))
+    h = jnp.pad(h_NxLxD, ((0, 0), (0, pad), (0, 0)))
+    tgt = jnp.pad(targets_NxL, ((0, 0), (0, pad)))
     k = (t + pad) // chunk
-    h_KxNxCxD = h.reshape(n, k, chunk, d).transpose(1, 0, 2, 3)
-    tgt_KxNxC = tgt.reshape(n, k, chunk).transpose(1, 0, 2)
-    lp, ent = jax.lax.map(one, (h_KxNxCxD, tgt_KxNxC))
+    h_KxNxQxD = h.reshape(n, k, chunk, d).transpose(1, 0, 2, 3)
+    tgt_KxNxQ = tgt.reshape(n, k, chunk).transpose(1, 0, 2)
+    lp, ent = jax.lax.map(one, (h_KxNxQxD, tgt_KxNxQ))
     lp = lp.transpose(1, 0, 2).reshape(n, t + pad)[:, :t]
     ent = ent.transpose(1, 0, 2).reshape(n, t + pad)[:, :t]
   return (lp, ent) if with_entropy else lp
@@ -96,24 +96,24 @@ def head_logp(model, h_NxTxD: Array, targets_NxT: Array, *, with_entropy: bool =
 
 def masked_logp(model, seqs: Sequences, noised_BxMxL: Array, *, staircase: bool,
                 block_size: int | None = None, with_entropy: bool = False):
-  """float32 `log p(x_i | x_t)` for every position of every masked copy, `[B, M, T]`.
+  """float32 `log p(x_i | x_t)` for every position of every masked copy, `[B, M, L]`.
 
   `with_entropy=True` returns `(logp, entropy)`, the entropy (nats) of the model's prediction at
   each position, same shape, from the same forward pass.
   """
   b, m, t = noised_BxMxL.shape
   h = masked_hidden(model, seqs, noised_BxMxL, staircase=staircase, block_size=block_size)
-  out = head_logp(model, h, jnp.repeat(seqs.tokens_BxT, m, axis=0), with_entropy=with_entropy)
+  out = head_logp(model, h, jnp.repeat(seqs.tokens_BxL, m, axis=0), with_entropy=with_entropy)
   if not with_entropy:
     return out.reshape(b, m, t)
   return out[0].reshape(b, m, t), out[1].reshape(b, m, t)
 
 
-def teacher_forced(prompt_BxP: Array, prompt_valid_BxP: Array, completion_BxG: Array, *,
+def teacher_forced(prompt_BxP: Array, prompt_valid_BxP: Array, completion_BxC: Array, *,
                    family: str, block_size: int | None, mask_id: int) -> Sequences:
   """Prompts and given completions in the sampler's layout (SFT data), every completion slot
   counted (stop-token padding included, so the model learns to stop)."""
-  g = completion_BxG.shape[1]
+  g = completion_BxC.shape[1]
   if family == "llada":
     tokens, positions, valid, prompt = samplers.llada_layout(prompt_BxP, prompt_valid_BxP, g, mask_id)
     generated = valid & ~prompt
@@ -122,7 +122,7 @@ def teacher_forced(prompt_BxP: Array, prompt_valid_BxP: Array, completion_BxG: A
     tokens, positions, valid, prompt, generated, _, _ = samplers.sdar_layout(
         prompt_BxP, prompt_valid_BxP, g, block_size, mask_id)
     start_B = jnp.argmax(generated, axis=1).astype(jnp.int32)
-  offset_BxT = jnp.clip(jnp.arange(tokens.shape[1])[None, :] - start_B[:, None], 0, g - 1)
-  filled = jnp.take_along_axis(completion_BxG.astype(jnp.int32), offset_BxT, axis=1)
+  offset_BxL = jnp.clip(jnp.arange(tokens.shape[1])[None, :] - start_B[:, None], 0, g - 1)
+  filled = jnp.take_along_axis(completion_BxC.astype(jnp.int32), offset_BxL, axis=1)
   tokens = jnp.where(generated, filled, tokens)
   return Sequences(tokens, positions, valid, prompt, generated, generated)

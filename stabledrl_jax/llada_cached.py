@@ -66,13 +66,13 @@ def _generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: S.LLaDASamplin
   t = p + g
   # With guidance the forwarded rows are the conditional ones then their unconditional copies.
   copies = 2 if sampling.cfg_scale > 0 else 1
-  pos_CxT = jnp.tile(positions, (copies, 1))
-  valid_CxT = jnp.tile(valid, (copies, 1))
+  pos_CxL = jnp.tile(positions, (copies, 1))
+  valid_CxL = jnp.tile(valid, (copies, 1))
 
-  def rows(x_BxT):
+  def rows(x_BxL):
     if copies == 1:
-      return x_BxT
-    return jnp.concatenate([x_BxT, jnp.where(prompt_mask, mask_id, x_BxT)])
+      return x_BxL
+    return jnp.concatenate([x_BxL, jnp.where(prompt_mask, mask_id, x_BxL)])
 
   def guide(logits):
     if copies == 1:
@@ -80,30 +80,30 @@ def _generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: S.LLaDASamplin
     cond, unc = logits[:b], logits[b:]
     return unc + (sampling.cfg_scale + 1.0) * (cond - unc)
 
-  def full_forward(x_BxT, start):
+  def full_forward(x_BxL, start):
     """The block's logits from a forward over everything, and every slot's keys/values."""
-    h, kv = model.forward_kv(rows(x_BxT), positions_BxT=pos_CxT, valid_BxT=valid_CxT)
+    h, kv = model.forward_kv(rows(x_BxL), positions_BxT=pos_CxL, valid_BxT=valid_CxL)
     return guide(model.head_logits(_slice(h, start, bl))), kv
 
-  def later_forward(x_BxT, start, kv):
+  def later_forward(x_BxL, start, kv):
     """The block's logits at a later step, and the tokens forwarded per row."""
     if sampling.cache == "none":
-      return full_forward(x_BxT, start)[0], t
+      return full_forward(x_BxL, start)[0], t
     if sampling.cache == "prefix":  # `start` is a Python int: the span's length is static
       past = [(k[:, :start], v[:, :start]) for k, v in kv]
-      h, _ = model.forward_kv(rows(x_BxT)[:, start:], positions_BxT=pos_CxT[:, start:],
-                              valid_BxT=valid_CxT[:, start:], past=past,
-                              past_valid_BxS=valid_CxT[:, :start])
+      h, _ = model.forward_kv(rows(x_BxL)[:, start:], positions_BxT=pos_CxL[:, start:],
+                              valid_BxT=valid_CxL[:, start:], past=past,
+                              past_valid_BxS=valid_CxL[:, :start])
       return guide(model.head_logits(h[:, :bl])), t - start
-    slot_T = jnp.arange(t)
-    outside_CxT = valid_CxT & ((slot_T < start) | (slot_T >= start + bl))[None, :]
-    h, _ = model.forward_kv(_slice(rows(x_BxT), start, bl), positions_BxT=_slice(pos_CxT, start, bl),
-                            valid_BxT=_slice(valid_CxT, start, bl), past=kv,
-                            past_valid_BxS=outside_CxT)
+    slot_L = jnp.arange(t)
+    outside_CxL = valid_CxL & ((slot_L < start) | (slot_L >= start + bl))[None, :]
+    h, _ = model.forward_kv(_slice(rows(x_BxL), start, bl), positions_BxT=_slice(pos_CxL, start, bl),
+                            valid_BxT=_slice(valid_CxL, start, bl), past=kv,
+                            past_valid_BxS=outside_CxL)
     return guide(model.head_logits(h)), bl
 
-  def decode(logits_BxKxV, x_BxT, when_BxT, start, s, i, schedule_BxS):
-    block_BxK = _slice(x_BxT, start, bl)
+  def decode(logits_BxKxV, x_BxL, when_BxL, start, s, i, schedule_BxS):
+    block_BxK = _slice(x_BxL, start, bl)
     still_masked = block_BxK == mask_id
     x0_BxK, conf_BxK = S.choose_tokens(S._forbid(logits_BxKxV, mask_id), key, s,
                                        sampling.temperature, sampling.remasking)
@@ -113,9 +113,9 @@ def _generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: S.LLaDASamplin
       k_B = S.min_commits(jnp.sum(still_masked, -1), spb - i)
     commit = S.confident_commit(conf_BxK, still_masked, k_B, sampling.threshold)
     block_BxK = jnp.where(commit, x0_BxK, block_BxK)
-    when_BxK = jnp.where(commit, s, _slice(when_BxT, start, bl))
-    return (jax.lax.dynamic_update_slice_in_dim(x_BxT, block_BxK, start, axis=1),
-            jax.lax.dynamic_update_slice_in_dim(when_BxT, when_BxK, start, axis=1))
+    when_BxK = jnp.where(commit, s, _slice(when_BxL, start, bl))
+    return (jax.lax.dynamic_update_slice_in_dim(x_BxL, block_BxK, start, axis=1),
+            jax.lax.dynamic_update_slice_in_dim(when_BxL, when_BxK, start, axis=1))
 
   def block(j, carry):
     x, when, forwards, forward_tokens = carry

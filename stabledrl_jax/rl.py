@@ -41,17 +41,17 @@ class Adversarial(NamedTuple):
   """The rows under the adversarial mode and their "easy" masks for the new policy's ELBO (the
   behaviour policy saw the "hard" ones): `estimators.adversarial_masks`."""
   rows_B: Array
-  noised_BxMxT: Array
-  weight_BxMxT: Array
+  noised_BxMxL: Array
+  weight_BxMxL: Array
 
 
 class RLBatch(NamedTuple):
   seqs: likelihood.Sequences
   advantages_B: Array
-  noised_old_BxMxT: Array  # the behaviour policy's masks (also the new policy's when coupled)
-  weight_old_BxMxT: Array
-  logp_old_BxMxT: Array
-  logp_ref_BxMxT: Array    # frozen reference model under the same masks; zeros when kl_coef = 0
+  noised_old_BxMxL: Array  # the behaviour policy's masks (also the new policy's when coupled)
+  weight_old_BxMxL: Array
+  logp_old_BxMxL: Array
+  logp_ref_BxMxL: Array    # frozen reference model under the same masks; zeros when kl_coef = 0
   adversarial: Adversarial | None = None
 
 
@@ -67,7 +67,7 @@ def logp(model, seqs: likelihood.Sequences, noised_BxMxL: Array, obj: Objective)
 
 def behaviour_logp(model, seqs: likelihood.Sequences, key: Array, obj: Objective):
   """The old policy's masks and log-probs for a fresh rollout batch (no gradient):
-  `(masks, logp_old_BxMxT, adversarial, token_entropy)`.
+  `(masks, logp_old_BxMxL, adversarial, token_entropy)`.
 
   `adversarial` is `None` unless `obj.adversarial > 0`; then the chosen rows' old masks are the
   "hard" ones. `token_entropy` is the mean entropy (nats) of the old policy's predictions at the
@@ -77,13 +77,13 @@ def behaviour_logp(model, seqs: likelihood.Sequences, key: Array, obj: Objective
   adversarial = None
   if obj.adversarial > 0:
     rows_B, easy, hard = estimators.adversarial_masks(
-        jax.random.fold_in(key, 1), seqs.completion_BxT, seqs.counted_BxT,
+        jax.random.fold_in(key, 1), seqs.completion_BxL, seqs.counted_BxL,
         num_samples=obj.num_samples, fraction=obj.adversarial)
     masks = _where_rows(rows_B, hard, masks)
     adversarial = Adversarial(rows_B, easy.noised_BxMxL, easy.weight_BxMxL)
   lp, ent = likelihood.masked_logp(model, seqs, masks.noised_BxMxL, staircase=obj.staircase,
                                    block_size=obj.block_size, with_entropy=True)
-  seen = masks.noised_BxMxL & seqs.counted_BxT[:, None, :]
+  seen = masks.noised_BxMxL & seqs.counted_BxL[:, None, :]
   entropy = jnp.sum(jnp.where(seen, ent, 0.0)) / jnp.maximum(jnp.sum(seen), 1)
   return masks, jax.lax.stop_gradient(lp), adversarial, jax.lax.stop_gradient(entropy)
 
@@ -95,10 +95,10 @@ def _where_rows(rows_B: Array, on: estimators.MaskSample,
                                jnp.where(pick, on.weight_BxMxL, off.weight_BxMxL))
 
 
-def _per_token(logp_BxMxT: Array, noised_BxMxL: Array) -> tuple[Array, Array]:
+def _per_token(logp_BxMxL: Array, noised_BxMxL: Array) -> tuple[Array, Array]:
   """Mean log-prob of each token over the samples in which it was masked, and 'ever masked'."""
   n = jnp.sum(noised_BxMxL, axis=1)
-  total = jnp.sum(jnp.where(noised_BxMxL, logp_BxMxT, 0.0), axis=1)
+  total = jnp.sum(jnp.where(noised_BxMxL, logp_BxMxL, 0.0), axis=1)
   return total / jnp.maximum(n, 1), n > 0
 
 
@@ -112,17 +112,17 @@ def policy_loss(model, batch: RLBatch, key: Array, obj: Objective,
   `obj.ppo_epsilon` for GRPO/ESPO — so adaptive or scheduled ε does not recompile the step.
   """
   if obj.coupling == "coupled":
-    masks = estimators.MaskSample(batch.noised_old_BxMxT, batch.weight_old_BxMxT)
+    masks = estimators.MaskSample(batch.noised_old_BxMxL, batch.weight_old_BxMxL)
   else:
     masks = draw_masks(key, batch.seqs, obj)
   if batch.adversarial is not None:
     adv = batch.adversarial
-    masks = _where_rows(adv.rows_B, estimators.MaskSample(adv.noised_BxMxT, adv.weight_BxMxT), masks)
+    masks = _where_rows(adv.rows_B, estimators.MaskSample(adv.noised_BxMxL, adv.weight_BxMxL), masks)
   noised, weight = masks
   logp_new = logp(model, batch.seqs, noised, obj)
-  log_ratio, elbo_new = losses.elbo_ratio(logp_new, weight, batch.logp_old_BxMxT,
-                                          batch.weight_old_BxMxT)
-  lengths = jnp.sum(batch.seqs.counted_BxT, axis=-1)
+  log_ratio, elbo_new = losses.elbo_ratio(logp_new, weight, batch.logp_old_BxMxL,
+                                          batch.weight_old_BxMxL)
+  lengths = jnp.sum(batch.seqs.counted_BxL, axis=-1)
   loss, metrics = _objective(batch, logp_new, noised, log_ratio, elbo_new, lengths, obj,
                              clip_epsilon)
   if obj.name == "grpo":  # token-level ratios: the clip fraction already counts tokens
@@ -141,24 +141,24 @@ def _objective(batch: RLBatch, logp_new: Array, noised: Array, log_ratio: Array,
   if name in ("stabledrl", "stabledrl_spg"):
     surrogate = elbo_new
     if name == "stabledrl_spg":
-      upper = losses.eubo(logp_new, noised, seqs.counted_BxT, beta=obj.spg_beta)
+      upper = losses.eubo(logp_new, noised, seqs.counted_BxL, beta=obj.spg_beta)
       surrogate = losses.spg_surrogate(adv, elbo_new, upper, omega=obj.spg_omega)
     return losses.snis_clip_loss(log_ratio, adv, surrogate, group_size=obj.group_size,
                                  epsilon=eps, max_ratio=obj.max_ratio, lengths=lengths)
   if name == "grpo":
     lp_new, seen = _per_token(logp_new, noised)
-    lp_old, _ = _per_token(batch.logp_old_BxMxT, batch.noised_old_BxMxT)
-    lp_ref, _ = _per_token(batch.logp_ref_BxMxT, batch.noised_old_BxMxT)
-    mask = seqs.counted_BxT & seen
+    lp_old, _ = _per_token(batch.logp_old_BxMxL, batch.noised_old_BxMxL)
+    lp_ref, _ = _per_token(batch.logp_ref_BxMxL, batch.noised_old_BxMxL)
+    mask = seqs.counted_BxL & seen
     return losses.grpo_clip_loss(lp_new - lp_old, adv, epsilon=ppo_eps, mask=mask,
                                  ref_log_ratio=lp_ref - lp_new, kl_coef=obj.kl_coef)
   if name == "espo":
-    elbo_old = losses.mc_elbo(batch.logp_old_BxMxT, batch.weight_old_BxMxT)
-    elbo_ref = losses.mc_elbo(batch.logp_ref_BxMxT, batch.weight_old_BxMxT)
+    elbo_old = losses.mc_elbo(batch.logp_old_BxMxL, batch.weight_old_BxMxL)
+    elbo_ref = losses.mc_elbo(batch.logp_ref_BxMxL, batch.weight_old_BxMxL)
     return losses.espo_loss(elbo_new, elbo_old, adv, lengths, epsilon=ppo_eps,
                             kl_coef=obj.kl_coef, elbo_ref=elbo_ref)
   if name in ("spg", "spg_is"):
-    upper = losses.eubo(logp_new, noised, seqs.counted_BxT, beta=obj.spg_beta)
+    upper = losses.eubo(logp_new, noised, seqs.counted_BxL, beta=obj.spg_beta)
     surrogate = losses.spg_surrogate(adv, elbo_new, upper, omega=obj.spg_omega)
     if name == "spg_is":
       return losses.importance_weighted_loss(log_ratio, adv, surrogate, group_size=obj.group_size)

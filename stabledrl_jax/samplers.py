@@ -32,15 +32,15 @@ Array = jax.Array
 
 class Rollout(NamedTuple):
   """What a sampler returns. Slots are the sampler's layout (module docstring)."""
-  tokens_BxT: Array          # int32 prompt + completion; after the first stop token: pad_id
-  positions_BxT: Array       # int32 position of each slot (row's first real token = 0)
-  valid_BxT: Array           # bool, real tokens (prompt and generated, before truncation)
-  prompt_mask_BxT: Array     # bool, prompt tokens
-  completion_mask_BxT: Array  # bool, generated tokens up to and including the first stop token
-  completion_BxG: Array      # int32 the generated tokens of each row, left-aligned
-  completion_mask_BxG: Array  # bool, same as completion_mask_BxT in that layout
+  tokens_BxL: Array          # int32 prompt + completion; after the first stop token: pad_id
+  positions_BxL: Array       # int32 position of each slot (row's first real token = 0)
+  valid_BxL: Array           # bool, real tokens (prompt and generated, before truncation)
+  prompt_mask_BxL: Array     # bool, prompt tokens
+  completion_mask_BxL: Array  # bool, generated tokens up to and including the first stop token
+  completion_BxC: Array      # int32 the generated tokens of each row, left-aligned
+  completion_mask_BxC: Array  # bool, same as completion_mask_BxL in that layout
   lengths_B: Array           # int32 completion length (stop token included)
-  commit_step_BxT: Array     # int32 decoding step that committed each slot; -1 for the rest
+  commit_step_BxL: Array     # int32 decoding step that committed each slot; -1 for the rest
   forwards_B: Array          # int32 model forwards the row took part in (guidance copies count)
   forward_tokens_B: Array    # int32 tokens those forwards processed for the row
 
@@ -133,28 +133,28 @@ def choose_tokens(logits_BxKxV: Array, key: Array, step, temperature: float,
   return x0_BxK, u_conf[..., 0]
 
 
-def truncate_after_stop(tokens_BxT: Array, generated_BxT: Array, stop_ids: tuple[int, ...],
+def truncate_after_stop(tokens_BxL: Array, generated_BxL: Array, stop_ids: tuple[int, ...],
                         pad_id: int) -> tuple[Array, Array]:
   """`(tokens, completion_mask)`: generated slots after the first stop token become `pad_id`."""
-  is_stop = jnp.isin(tokens_BxT, jnp.asarray(stop_ids, jnp.int32)) & generated_BxT
+  is_stop = jnp.isin(tokens_BxL, jnp.asarray(stop_ids, jnp.int32)) & generated_BxL
   stops_before = jnp.cumsum(is_stop, axis=-1) - is_stop
-  keep = generated_BxT & (stops_before == 0)
-  return jnp.where(generated_BxT & ~keep, pad_id, tokens_BxT), keep
+  keep = generated_BxL & (stops_before == 0)
+  return jnp.where(generated_BxL & ~keep, pad_id, tokens_BxL), keep
 
 
-def _gather_completion(tokens_BxT, completion_BxT, gen_start_B, gen_length):
-  idx_BxG = gen_start_B[:, None] + jnp.arange(gen_length)[None, :]
-  idx_BxG = jnp.minimum(idx_BxG, tokens_BxT.shape[1] - 1)
-  return (jnp.take_along_axis(tokens_BxT, idx_BxG, axis=1),
-          jnp.take_along_axis(completion_BxT, idx_BxG, axis=1))
+def _gather_completion(tokens_BxL, completion_BxL, gen_start_B, gen_length):
+  idx_BxC = gen_start_B[:, None] + jnp.arange(gen_length)[None, :]
+  idx_BxC = jnp.minimum(idx_BxC, tokens_BxL.shape[1] - 1)
+  return (jnp.take_along_axis(tokens_BxL, idx_BxC, axis=1),
+          jnp.take_along_axis(completion_BxL, idx_BxC, axis=1))
 
 
 def _finish(tokens, positions, valid, prompt_mask, generated, gen_start_B, gen_length, stop_ids,
             pad_id, commit_step, forwards, forward_tokens) -> Rollout:
   tokens, completion = truncate_after_stop(tokens, generated, stop_ids, pad_id)
   tokens = jnp.where(valid, tokens, pad_id)
-  comp_BxG, comp_mask_BxG = _gather_completion(tokens, completion, gen_start_B, gen_length)
-  return Rollout(tokens, positions, valid, prompt_mask, completion, comp_BxG, comp_mask_BxG,
+  comp_BxC, comp_mask_BxC = _gather_completion(tokens, completion, gen_start_B, gen_length)
+  return Rollout(tokens, positions, valid, prompt_mask, completion, comp_BxC, comp_mask_BxC,
                  jnp.sum(completion, axis=-1).astype(jnp.int32), commit_step,
                  jnp.full(gen_start_B.shape, forwards, jnp.int32),
                  jnp.full(gen_start_B.shape, forward_tokens, jnp.int32))
@@ -251,38 +251,38 @@ def _llada_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: LLaDASam
   steps_per_block = sampling.steps // (g // bl)
   tokens, positions, valid, prompt_mask = llada_layout(prompt_BxP, prompt_valid_BxP, g, mask_id)
 
-  def block_logits(x_BxT, start):
+  def block_logits(x_BxL, start):
     """Logits of the current block only: the head (vocabulary-sized) runs on its positions."""
     def run(ids, pos, val):
       h = model.logits(ids, attention="full", positions=pos, valid_BxL=val, head=False)
       return model.head_logits(jax.lax.dynamic_slice_in_dim(h, start, bl, axis=1))
 
     if sampling.cfg_scale > 0:
-      uncond = jnp.where(prompt_mask, mask_id, x_BxT)
-      both = run(jnp.concatenate([x_BxT, uncond]), jnp.concatenate([positions, positions]),
+      uncond = jnp.where(prompt_mask, mask_id, x_BxL)
+      both = run(jnp.concatenate([x_BxL, uncond]), jnp.concatenate([positions, positions]),
                  jnp.concatenate([valid, valid]))
       cond, unc = both[:b], both[b:]
       return unc + (sampling.cfg_scale + 1.0) * (cond - unc)
-    return run(x_BxT, positions, valid)
+    return run(x_BxL, positions, valid)
 
   def step(s, carry):
-    x_BxT, schedule_BxS, when_BxT = carry
+    x_BxL, schedule_BxS, when_BxL = carry
     start = p + (s // steps_per_block) * bl
-    block_BxK = jax.lax.dynamic_slice_in_dim(x_BxT, start, bl, axis=1)
+    block_BxK = jax.lax.dynamic_slice_in_dim(x_BxL, start, bl, axis=1)
     still_masked = block_BxK == mask_id
     # At a block's first step its schedule comes from the masks it holds then.
     schedule_BxS = jnp.where(s % steps_per_block == 0,
                              commit_schedule(jnp.sum(still_masked, -1), steps_per_block),
                              schedule_BxS)
-    logits_BxKxV = _forbid(block_logits(x_BxT, start), mask_id)
+    logits_BxKxV = _forbid(block_logits(x_BxL, start), mask_id)
     x0_BxK, conf_BxK = choose_tokens(logits_BxKxV, key, s, sampling.temperature,
                                      sampling.remasking)
     k_B = schedule_BxS[:, s % steps_per_block]
     commit = select_top_k(conf_BxK, still_masked, k_B)
     block_BxK = jnp.where(commit, x0_BxK, block_BxK)
-    when_BxK = jnp.where(commit, s, jax.lax.dynamic_slice_in_dim(when_BxT, start, bl, axis=1))
-    return (jax.lax.dynamic_update_slice_in_dim(x_BxT, block_BxK, start, axis=1), schedule_BxS,
-            jax.lax.dynamic_update_slice_in_dim(when_BxT, when_BxK, start, axis=1))
+    when_BxK = jnp.where(commit, s, jax.lax.dynamic_slice_in_dim(when_BxL, start, bl, axis=1))
+    return (jax.lax.dynamic_update_slice_in_dim(x_BxL, block_BxK, start, axis=1), schedule_BxS,
+            jax.lax.dynamic_update_slice_in_dim(when_BxL, when_BxK, start, axis=1))
 
   schedule0 = jnp.zeros((b, steps_per_block), jnp.int32)
   when0 = jnp.full(tokens.shape, -1, jnp.int32)
@@ -337,21 +337,21 @@ def sdar_layout(prompt_BxP: Array, prompt_valid_BxP: Array, gen_length: int, blo
   valid_prompt = prompt_valid_BxP.astype(bool)
   plen_B = jnp.sum(valid_prompt, axis=1).astype(jnp.int32)
   first_block = p // bs  # block of position P: the worst case over rows
-  # A row whose prompt fills r = plen mod B slots of its last block ends (r + G - 1) // B blocks
+  # A row whose prompt fills r = plen mod B slots of its last block ends (r + C - 1) // B blocks
   # after it; r <= B - 1 bounds every row.
   num_blocks = first_block + (min(bs - 1, p) + gen_length - 1) // bs + 1
   t = num_blocks * bs
   shift_B = (first_block - plen_B // bs) * bs  # slot of position 0, a whole number of blocks
-  slot_1xT = jnp.arange(t, dtype=jnp.int32)[None, :]
-  pos_BxT = slot_1xT - shift_B[:, None]
-  is_prompt = (pos_BxT >= 0) & (pos_BxT < plen_B[:, None])
-  generated = (pos_BxT >= plen_B[:, None]) & (pos_BxT < plen_B[:, None] + gen_length)
+  slot_1xL = jnp.arange(t, dtype=jnp.int32)[None, :]
+  pos_BxL = slot_1xL - shift_B[:, None]
+  is_prompt = (pos_BxL >= 0) & (pos_BxL < plen_B[:, None])
+  generated = (pos_BxL >= plen_B[:, None]) & (pos_BxL < plen_B[:, None] + gen_length)
   # Prompt token at position q sits in column q + (P - plen) of the left-padded input.
-  col_BxT = jnp.clip(pos_BxT + (p - plen_B)[:, None], 0, p - 1)
-  prompt_tokens = jnp.take_along_axis(prompt_BxP.astype(jnp.int32), col_BxT, axis=1)
+  col_BxL = jnp.clip(pos_BxL + (p - plen_B)[:, None], 0, p - 1)
+  prompt_tokens = jnp.take_along_axis(prompt_BxP.astype(jnp.int32), col_BxL, axis=1)
   tokens = jnp.where(is_prompt, prompt_tokens, mask_id)
   valid = is_prompt | generated
-  return (tokens, jnp.maximum(pos_BxT, 0), valid, is_prompt, generated, first_block, num_blocks)
+  return (tokens, jnp.maximum(pos_BxL, 0), valid, is_prompt, generated, first_block, num_blocks)
 
 
 def sdar_generate(model: nnx.Module, prompt_BxP: Array, prompt_valid_BxP: Array, key: Array,
@@ -396,19 +396,19 @@ def _sdar_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: SDARSampl
                                    positions_BxT=positions[:, :first_block * bs], commit=True,
                                    block_size=bs, valid_BxT=valid[:, :first_block * bs])
 
-  def block_logits(x_BxT, j, cache):
+  def block_logits(x_BxL, j, cache):
     if sampling.use_cache:
-      logits, _ = model.cached_logits(slice_block(x_BxT, j), cache,
+      logits, _ = model.cached_logits(slice_block(x_BxL, j), cache,
                                       positions_BxT=slice_block(positions, j), commit=False,
                                       block_size=bs, valid_BxT=slice_block(valid, j))
       return logits
-    logits = model.logits(x_BxT, attention="block_causal", block_size=bs, positions=positions,
+    logits = model.logits(x_BxL, attention="block_causal", block_size=bs, positions=positions,
                           valid_BxL=valid)
     return slice_block(logits, j)
 
-  def denoise_block(j, x_BxT, when_BxT, cache, active_B, step0):
+  def denoise_block(j, x_BxL, when_BxL, cache, active_B, step0):
     blk_gen = slice_block(generated, j) & active_B[:, None]
-    schedule_BxS = commit_schedule(jnp.sum(slice_block(x_BxT, j) == mask_id, -1) * active_B,
+    schedule_BxS = commit_schedule(jnp.sum(slice_block(x_BxL, j) == mask_id, -1) * active_B,
                                    sampling.steps)
 
     def cond(c):
@@ -435,9 +435,9 @@ def _sdar_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: SDARSampl
       return (jax.lax.dynamic_update_slice_in_dim(x, blk, j * bs, axis=1),
               jax.lax.dynamic_update_slice_in_dim(when, when_blk, j * bs, axis=1), s + 1, n + 1)
 
-    x_BxT, when_BxT, _, used = jax.lax.while_loop(
-        cond, body, (x_BxT, when_BxT, jnp.int32(0), jnp.int32(0)))
-    return x_BxT, when_BxT, used
+    x_BxL, when_BxL, _, used = jax.lax.while_loop(
+        cond, body, (x_BxL, when_BxL, jnp.int32(0), jnp.int32(0)))
+    return x_BxL, when_BxL, used
 
   def block_step(c):
     x, when, j, cache, active_B, step0 = c

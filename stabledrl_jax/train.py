@@ -296,7 +296,7 @@ def encode_completions(tokenizer, texts: list[str], gen_length: int) -> np.ndarr
 
 def score(data: Data, rollout: samplers.Rollout, examples, reward_fn, start: int = 0) -> np.ndarray:
   """Rewards of the rollouts `[start, start + len(examples))` (this process's), on the host."""
-  completions = sharding.to_host(rollout.completion_BxG)[start:start + len(examples)]
+  completions = sharding.to_host(rollout.completion_BxC)[start:start + len(examples)]
   texts = pipeline.decode_completions(data.tokenizer, completions)
   return np.array([reward_fn(t, ex) for t, ex in zip(texts, examples)], np.float32)
 
@@ -310,9 +310,9 @@ def evaluate(c, data: Data, model, rollout_mesh=None) -> dict[str, float]:
     exs = data.test[lo:lo + c.eval.batch_size]
     enc = pipeline.encode_prompts(data.task, exs, data.tokenizer, max_prompt_len=c.task.max_prompt_len,
                                   style=c.task.prompt_style, chat=c.task.chat)
-    r = generate(model, enc["prompt_ids_BxL"], enc["prompt_mask_BxL"], jax.random.key(0), sampling,
+    r = generate(model, enc["prompt_ids_BxP"], enc["prompt_mask_BxP"], jax.random.key(0), sampling,
                  rollout_mesh=rollout_mesh)
-    texts = pipeline.decode_completions(data.tokenizer, sharding.to_host(r.completion_BxG))
+    texts = pipeline.decode_completions(data.tokenizer, sharding.to_host(r.completion_BxC))
     scores += [data.task.correctness(t, ex) for t, ex in zip(texts, exs)]
     solved += [data.task.is_correct(t, ex) for t, ex in zip(texts, exs)]
   return {"accuracy": float(np.mean(scores)), "solve_rate": float(np.mean(solved)),
@@ -416,7 +416,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         targets = sft_targets(c, data.task, batch["examples"], step, data.sft_rows[0])
         completions = encode_completions(data.tokenizer, targets, c.sampler.gen_length)
         seqs = likelihood.teacher_forced(
-            jnp.asarray(batch["prompt_ids_BxL"]), jnp.asarray(batch["prompt_mask_BxL"]),
+            jnp.asarray(batch["prompt_ids_BxP"]), jnp.asarray(batch["prompt_mask_BxP"]),
             jnp.asarray(completions), family=c.family, block_size=c.model.block_size,
             mask_id=model.config.mask_token_id)
         seqs = sharding.shard_batch(seqs, sharding.model_mesh(model), rows=c.sft.batch_size,
@@ -425,7 +425,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                        block_size=sft_block)
         record = {k: float(v) for k, v in out.items()}
         tokens = c.sft.batch_size * c.sampler.gen_length
-        rows, length = seqs.tokens_BxT.shape
+        rows, length = seqs.tokens_BxL.shape
         step_flops = {"update": 3.0 * flops.forward_flops(model.config, rows,
                                                           length * (2 if staircase else 1))}
         if step == sft_total - 1:  # the stage ends: RL starts with a fresh optimiser
@@ -521,8 +521,8 @@ def rl_iteration(c, data: Data, model, ref_model, optimizer, key, obj: rl.Object
   """Rollouts -> rewards -> advantages -> behaviour log-probs -> μ optimiser steps."""
   k_roll, k_mask, k_update = jax.random.split(key, 3)
   batch = next(data.rl)  # this process's prompts: rows [start, ...) of the step's B rollouts
-  ids = np.repeat(batch["prompt_ids_BxL"], group, axis=0)
-  mask = np.repeat(batch["prompt_mask_BxL"], group, axis=0)
+  ids = np.repeat(batch["prompt_ids_BxP"], group, axis=0)
+  mask = np.repeat(batch["prompt_mask_BxP"], group, axis=0)
   examples = [ex for ex in batch["examples"] for _ in range(group)]
   rows, start = c.rl.prompts_per_step * group, data.rl_rows[0] * group
   sampling = sampling_settings(c, c.sampler.temperature)
@@ -544,14 +544,14 @@ def rl_iteration(c, data: Data, model, ref_model, optimizer, key, obj: rl.Object
   record["grad_norm_max"] = float(np.max([float(o["grad_norm"]) for o in outs]))  # nan if any is
   record["token_entropy"] = float(entropy)
   record.update(diagnostics.to_floats(_step_diagnostics(
-      rewards_B=rewards, group_size=group, mask_BxL=rollout.completion_mask_BxG,
-      tokens_BxL=rollout.completion_BxG)))
+      rewards_B=rewards, group_size=group, mask_BxL=rollout.completion_mask_BxC,
+      tokens_BxL=rollout.completion_BxC)))
   record["_tokens"] = int(jnp.sum(rollout.lengths_B))
   record.update(rollout_log)
   seqs = rl_batch.seqs
   record["_flops"] = flops.rl_step_flops(model.config, flops.StepShape(
-      rows=seqs.tokens_BxT.shape[0], prompt=ids.shape[1], gen=c.sampler.gen_length,
-      total=seqs.tokens_BxT.shape[1], samples=obj.num_samples, updates=c.rl.updates_per_batch,
+      rows=seqs.tokens_BxL.shape[0], prompt=ids.shape[1], gen=c.sampler.gen_length,
+      total=seqs.tokens_BxL.shape[1], samples=obj.num_samples, updates=c.rl.updates_per_batch,
       sampler_steps=c.sampler.steps, block=obj.block_size, staircase=obj.staircase,
       reference=ref_model is not None))
   return record

@@ -54,6 +54,6 @@ def test_compiled_program_matches_the_public_call():
   key = jax.random.PRNGKey(0)
   sampling = bench._sampling("sdar_cache", 8, 4, 8, 4)
   run, _ = bench._compile("sdar_cache", model, prompt, valid, key, sampling)
-  np.testing.assert_array_equal(run().tokens_BxT,
+  np.testing.assert_array_equal(run().tokens_BxL,
                                 samplers.sdar_generate(model, prompt, valid, key,
-                                                       sampling).tokens_BxT)
+                                                       sampling).tokens_BxL)

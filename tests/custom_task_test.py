@@ -122,6 +122,6 @@ def test_training_reads_a_jsonl_task_from_local_files(tmp_path):
   first = json.loads((GSM8K / "test.jsonl").read_text().splitlines()[0])
   assert data.test[0] == {"question": first["question"], "answer": first["answer"]}
   batch = next(data.rl)
-  assert batch["prompt_ids_BxL"].shape == (2, 1000)
+  assert batch["prompt_ids_BxP"].shape == (2, 1000)
   gold = first["answer"].split("####")[-1].strip()
   assert data.reward_fn(f"<answer>{gold}</answer>", data.test[0]) == 1.0

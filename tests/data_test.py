@@ -130,13 +130,13 @@ def test_same_seed_same_batches(sudoku_train):
   assert [_puzzles(x) for x in a] == [_puzzles(x) for x in b]
   assert [_puzzles(x) for x in a] != [_puzzles(x) for x in c]
   for x, y in zip(a, b):
-    np.testing.assert_array_equal(x["prompt_ids_BxL"], y["prompt_ids_BxL"])
+    np.testing.assert_array_equal(x["prompt_ids_BxP"], y["prompt_ids_BxP"])
 
 
 def test_prompt_ids_decode_to_the_examples(sudoku_train):
   (batch,), _ = _batches(sudoku_train, 1)
   tok = CharTokenizer()
-  ids, mask = batch["prompt_ids_BxL"], batch["prompt_mask_BxL"]
+  ids, mask = batch["prompt_ids_BxP"], batch["prompt_mask_BxP"]
   assert ids.shape == mask.shape == (8, 20) and ids.dtype == np.int32
   for row, m, ex in zip(ids, mask, batch["examples"]):
     assert row[m][0] == tok.bos_id and not m[0]  # left-padded, bos first
@@ -160,8 +160,8 @@ def test_processes_read_disjoint_slices_of_the_same_global_batches(sudoku_train)
   for b, (x, y) in enumerate(zip(parts[0][0], parts[1][0])):
     assert len(x["examples"]) == 3 and len(y["examples"]) == 5
     assert _puzzles(x) + _puzzles(y) == _puzzles(whole[b])
-    np.testing.assert_array_equal(np.concatenate([x["prompt_ids_BxL"], y["prompt_ids_BxL"]]),
-                                  whole[b]["prompt_ids_BxL"])
+    np.testing.assert_array_equal(np.concatenate([x["prompt_ids_BxP"], y["prompt_ids_BxP"]]),
+                                  whole[b]["prompt_ids_BxP"])
   # Each process's iterator resumes from its own state.
   _, it = _batches(sudoku_train, 0, rows=(3, 8))
   it.set_state(json.loads(json.dumps(parts[1][1].get_state())))

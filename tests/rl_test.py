@@ -61,8 +61,8 @@ def test_adversarial_mode_stabledrl_stays_in_the_convex_hull_bound_grpo_explodes
   easy = batch.adversarial
 
   def elbo_j(m, j):
-    lp = rl.logp(m, seqs, easy.noised_BxMxT, obj)
-    return losses.mc_elbo(lp, easy.weight_BxMxT)[j]
+    lp = rl.logp(m, seqs, easy.noised_BxMxL, obj)
+    return losses.mc_elbo(lp, easy.weight_BxMxL)[j]
 
   per_sample = [grad_norm(lambda m, j=j: elbo_j(m, j)) for j in range(8)]
   bound = float(jnp.max(jnp.abs(adv))) * max(per_sample)
@@ -71,9 +71,9 @@ def test_adversarial_mode_stabledrl_stays_in_the_convex_hull_bound_grpo_explodes
 
   # GRPO-style: the same estimated sequence ratio under PPO's conditional clip.
   def grpo(m):
-    lp = rl.logp(m, seqs, easy.noised_BxMxT, obj)
-    elbo_new = losses.mc_elbo(lp, easy.weight_BxMxT)
-    elbo_old = losses.mc_elbo(batch.logp_old_BxMxT, batch.weight_old_BxMxT)
+    lp = rl.logp(m, seqs, easy.noised_BxMxL, obj)
+    elbo_new = losses.mc_elbo(lp, easy.weight_BxMxL)
+    elbo_old = losses.mc_elbo(batch.logp_old_BxMxL, batch.weight_old_BxMxL)
     return losses.grpo_clip_loss(elbo_new - elbo_old, adv, epsilon=0.2)[0]
 
   assert grad_norm(grpo) > 1e4 * bound
@@ -90,10 +90,10 @@ def test_adversarial_rows_use_hard_old_and_easy_new_masks(counting_model):
                                         jax.random.key(3), obj)
   rows = np.asarray(batch.adversarial.rows_B)
   assert 0 < rows.sum() < 8
-  completion = np.asarray(seqs.completion_BxT)
+  completion = np.asarray(seqs.completion_BxL)
   for b in range(8):  # hard: all masked, each token weighted 1 (block_random would give 1/10)
-    hard = (np.all(np.asarray(batch.noised_old_BxMxT[b]) == completion[b])
-            and np.all(np.asarray(batch.weight_old_BxMxT[b]) == completion[b]))
+    hard = (np.all(np.asarray(batch.noised_old_BxMxL[b]) == completion[b])
+            and np.all(np.asarray(batch.weight_old_BxMxL[b]) == completion[b]))
     assert hard == rows[b]
   assert 0 < float(entropy) < np.log(V)
   plain = rl.Objective(**{**obj.__dict__, "adversarial": 0.0})

@@ -106,34 +106,34 @@ def _t(x, dtype=torch.float64):
   return torch.tensor(np.asarray(x), dtype=dtype)
 
 
-def _allowed(family, positions_NxT):
+def _allowed(family, positions_NxL):
   """Attention allowed `[N, Q, K]`: everything (LLaDA), or the staircase over `[x_t ; x_0]`."""
   if family == "llada":
-    n, t = positions_NxT.shape
+    n, t = positions_NxL.shape
     return torch.ones(n, t, t, dtype=torch.bool)
-  blk = positions_NxT // BS
+  blk = positions_NxL // BS
   blk2 = torch.cat([blk, blk], 1)
-  n, t = positions_NxT.shape
+  n, t = positions_NxL.shape
   noisy = torch.cat([torch.ones(n, t, dtype=torch.bool), torch.zeros(n, t, dtype=torch.bool)], 1)
   qb, kb = blk2[:, :, None], blk2[:, None, :]
   qn, kn = noisy[:, :, None], noisy[:, None, :]
   return ((qn & kn & (kb == qb)) | (qn & ~kn & (kb < qb)) | (~qn & ~kn & (kb <= qb)))
 
 
-def _t_logits(w, cfg, ids_NxT, positions_NxT, allowed_NxQxK):
+def _t_logits(w, cfg, ids_NxL, positions_NxL, allowed_NxQxK):
   def norm(x, scale):
     return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + cfg.norm_eps) * scale
 
   h = cfg.head_dim
   inv = 1.0 / cfg.rope_theta ** (torch.arange(0, h, 2, dtype=torch.float64) / h)
-  ang = positions_NxT.double()[..., None] * inv
+  ang = positions_NxL.double()[..., None] * inv
   cos, sin = torch.cat([ang.cos()] * 2, -1)[:, :, None], torch.cat([ang.sin()] * 2, -1)[:, :, None]
 
   def rope(x):
     return x * cos + torch.cat([-x[..., h // 2:], x[..., :h // 2]], -1) * sin
 
-  n, t = ids_NxT.shape
-  x = w["embed"][ids_NxT]
+  n, t = ids_NxL.shape
+  x = w["embed"][ids_NxL]
   for i in range(cfg.n_layers):
     y = norm(x, w[f"{i}.attn_norm"])
     q = (y @ w[f"{i}.q"]).view(n, t, cfg.n_heads, h)
@@ -153,14 +153,14 @@ def _t_logits(w, cfg, ids_NxT, positions_NxT, allowed_NxQxK):
   return norm(x, w["final_norm"]) @ w["head"]
 
 
-def _t_logp(w, cfg, family, seqs, noised_BxMxT):
-  """log p(x_i | x_t) `[B, M, T]`: each masked copy through the torch forward."""
-  tokens = _t(seqs.tokens_BxT, torch.long)
-  noised = _t(noised_BxMxT, torch.bool)
+def _t_logp(w, cfg, family, seqs, noised_BxMxL):
+  """log p(x_i | x_t) `[B, M, L]`: each masked copy through the torch forward."""
+  tokens = _t(seqs.tokens_BxL, torch.long)
+  noised = _t(noised_BxMxL, torch.bool)
   m = noised.shape[1]
   clean = tokens[:, None].expand(B, m, T)
   noisy = torch.where(noised, cfg.mask_token_id, clean).reshape(B * m, T)
-  pos = _t(seqs.positions_BxT, torch.long).repeat_interleave(m, 0)
+  pos = _t(seqs.positions_BxL, torch.long).repeat_interleave(m, 0)
   if family == "llada":
     logits = _t_logits(w, cfg, noisy, pos, _allowed(family, pos))
   else:
@@ -170,8 +170,8 @@ def _t_logp(w, cfg, family, seqs, noised_BxMxT):
   return lp.view(B, m, T)
 
 
-def _t_block_random_weights(noised_BxMxT, counted_BxT):
-  hit = _t(noised_BxMxT, torch.bool) & _t(counted_BxT, torch.bool)[:, None]
+def _t_block_random_weights(noised_BxMxL, counted_BxL):
+  hit = _t(noised_BxMxL, torch.bool) & _t(counted_BxL, torch.bool)[:, None]
   return hit.double() / hit.sum(-1, keepdim=True).clamp(min=1)
 
 
@@ -275,13 +275,13 @@ def test_one_rl_update_matches_torch_autograd(family):
 
     def weights(sample):
       if obj.scheme == "block_random":  # read off the mask, from the definition
-        return _t_block_random_weights(sample.noised_BxMxL, seqs.counted_BxT)
+        return _t_block_random_weights(sample.noised_BxMxL, seqs.counted_BxL)
       return _t(sample.weight_BxMxL)
 
     def t_loss(w):
       lp_new = _t_logp(w, cfg, family, seqs, new.noised_BxMxL)
       return _t_loss(name, lp_new, lp_old, weights(new), weights(masks), new.noised_BxMxL,
-                     masks.noised_BxMxL, seqs.counted_BxT, rewards, obj)
+                     masks.noised_BxMxL, seqs.counted_BxL, rewards, obj)
 
     _check_step(start, t_loss, lambda clip: _project_step(
         model, lambda m: rl.policy_loss(m, batch, k_new, obj)[0], clip))

@@ -180,16 +180,16 @@ def test_matches_fast_dllm_reference_on_a_padded_batch(model, cache, threshold, 
   want, forwards = fast_dllm_reference(model, ids, valid, jax.random.key(1), cache=cache,
                                        threshold=threshold, cfg_scale=cfg, **kw)
   got = run(model, PROMPTS, key=1, cache=cache, threshold=threshold, cfg_scale=cfg, **kw)
-  np.testing.assert_array_equal(got.completion_BxG, want)
+  np.testing.assert_array_equal(got.completion_BxC, want)
   np.testing.assert_array_equal(got.forwards_B, forwards * (2 if cfg else 1))
 
 
 def test_the_reference_cases_are_not_vacuous(model):
   """On this model the two caches change the tokens differently and the threshold saves steps."""
   kw = dict(gen_length=12, block_length=4, steps=12)
-  exact = np.asarray(run(model, PROMPTS, **kw).completion_BxG)
-  prefix = np.asarray(run(model, PROMPTS, cache="prefix", **kw).completion_BxG)
-  dual = np.asarray(run(model, PROMPTS, cache="dual", **kw).completion_BxG)
+  exact = np.asarray(run(model, PROMPTS, **kw).completion_BxC)
+  prefix = np.asarray(run(model, PROMPTS, cache="prefix", **kw).completion_BxC)
+  dual = np.asarray(run(model, PROMPTS, cache="dual", **kw).completion_BxC)
   assert (prefix != exact).any() and (dual != prefix).any()
   assert (np.asarray(run(model, PROMPTS, threshold=0.6, **kw).forwards_B) < 12).all()
 
@@ -203,8 +203,8 @@ def test_one_layer_model_every_cache_equals_the_exact_sampler(temperature):
   exact = run(m, PROMPTS, **kw)
   for cache in ("prefix", "dual"):
     got = run(m, PROMPTS, cache=cache, **kw)
-    np.testing.assert_array_equal(got.completion_BxG, exact.completion_BxG)
-    np.testing.assert_array_equal(got.commit_step_BxT, exact.commit_step_BxT)
+    np.testing.assert_array_equal(got.completion_BxC, exact.completion_BxC)
+    np.testing.assert_array_equal(got.commit_step_BxL, exact.commit_step_BxL)
 
 
 def test_threshold_one_is_the_schedule_and_zero_commits_a_block_per_step():
@@ -213,11 +213,11 @@ def test_threshold_one_is_the_schedule_and_zero_commits_a_block_per_step():
   exact = run(m, PROMPTS, **kw)
   assert (np.asarray(exact.forwards_B) == 8).all()
   one = run(m, PROMPTS, threshold=1.0, **kw)
-  np.testing.assert_array_equal(one.completion_BxG, exact.completion_BxG)
-  np.testing.assert_array_equal(one.commit_step_BxT, exact.commit_step_BxT)
+  np.testing.assert_array_equal(one.completion_BxC, exact.completion_BxC)
+  np.testing.assert_array_equal(one.commit_step_BxL, exact.commit_step_BxL)
   for cache in ("none", "dual"):
     zero = run(m, PROMPTS, cache=cache, threshold=0.0, **kw)
-    when = np.asarray(zero.commit_step_BxT)[:, 5:]
+    when = np.asarray(zero.commit_step_BxL)[:, 5:]
     np.testing.assert_array_equal(when, np.repeat([[0] * 6 + [4] * 6], 3, axis=0))
     assert (np.asarray(zero.forwards_B) == 2).all()
 
@@ -227,9 +227,9 @@ def test_never_more_steps_than_the_budget(model):
   ids, valid = left_pad(PROMPTS)
   t = ids.shape[1] + 12
   r = run(model, PROMPTS, gen_length=12, block_length=6, steps=4, cache="dual", threshold=0.99)
-  assert not (np.asarray(r.completion_BxG) == MASK).any()
+  assert not (np.asarray(r.completion_BxC) == MASK).any()
   assert (np.asarray(r.forwards_B) <= 4).all()
-  when = np.asarray(r.commit_step_BxT)[:, ids.shape[1]:]
+  when = np.asarray(r.commit_step_BxL)[:, ids.shape[1]:]
   assert set(np.unique(when)) <= {0, 1, 2, 3}
   if (np.asarray(r.forwards_B) == 4).all():
     assert (np.asarray(r.forward_tokens_B) == 2 * (t + 6)).all()
@@ -241,7 +241,7 @@ def test_row_alone_equals_row_in_padded_batch(model):
   batch = run(model, PROMPTS, **kw)
   for i, pr in enumerate(PROMPTS):
     alone = run(model, [pr], **kw)
-    np.testing.assert_array_equal(alone.completion_BxG[0], batch.completion_BxG[i])
+    np.testing.assert_array_equal(alone.completion_BxC[0], batch.completion_BxC[i])
 
 
 def test_forward_counts_of_the_exact_and_prefix_samplers(model):
@@ -317,5 +317,5 @@ def test_cached_decoding_runs_sharded_over_the_batch(model):
       jax.sharding.PartitionSpec("data"))
   plain, sharded = (samplers.llada_generate(model, *args, jax.random.key(0), s)
                     for args in ((ids, valid), jax.device_put((ids, valid), over_rows)))
-  np.testing.assert_array_equal(sharded.tokens_BxT, plain.tokens_BxT)
+  np.testing.assert_array_equal(sharded.tokens_BxL, plain.tokens_BxL)
   np.testing.assert_array_equal(sharded.forwards_B, plain.forwards_B)

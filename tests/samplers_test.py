@@ -112,8 +112,8 @@ def test_llada_matches_reference_loop(llada_model, temperature, remasking, cfg):
   want = llada_reference(llada_model, ids, valid, key, cfg_scale=cfg, **kw)
   got = samplers.llada_generate(llada_model, ids, valid, key,
                                 samplers.LLaDASampling(cfg_scale=cfg, stop_ids=(1000,), **kw))
-  np.testing.assert_array_equal(got.completion_BxG, want)
-  assert not (np.asarray(got.completion_BxG) == MASK).any()
+  np.testing.assert_array_equal(got.completion_BxC, want)
+  assert not (np.asarray(got.completion_BxC) == MASK).any()
 
 
 def test_llada_row_alone_equals_row_in_padded_batch(llada_model):
@@ -122,14 +122,14 @@ def test_llada_row_alone_equals_row_in_padded_batch(llada_model):
   batch = samplers.llada_generate(llada_model, *left_pad(prompts), jax.random.key(0), s)
   for i, pr in enumerate(prompts):
     alone = samplers.llada_generate(llada_model, *left_pad([pr]), jax.random.key(0), s)
-    np.testing.assert_array_equal(alone.completion_BxG[0], batch.completion_BxG[i])
+    np.testing.assert_array_equal(alone.completion_BxC[0], batch.completion_BxC[i])
 
 
 def test_llada_commit_counts_follow_schedule(llada_model):
   ids, valid = left_pad([[5, 6, 7], [8, 9]])
   s = samplers.LLaDASampling(gen_length=24, block_length=12, steps=10, temperature=0.5)
   r = samplers.llada_generate(llada_model, ids, valid, jax.random.key(2), s)
-  when = np.asarray(r.commit_step_BxT)[:, ids.shape[1]:]
+  when = np.asarray(r.commit_step_BxL)[:, ids.shape[1]:]
   want = schedule(12, 5) * 2  # 12 masks per block over 5 steps: 3, 3, 2, 2, 2
   assert want[:5] == [3, 3, 2, 2, 2]
   for row in when:
@@ -142,13 +142,13 @@ def test_llada_commit_counts_follow_schedule(llada_model):
 def test_llada_stop_truncation(llada_model):
   ids, valid = left_pad([[5, 6, 7], [8, 9, 10]])
   s = samplers.LLaDASampling(gen_length=16, block_length=8, steps=8, stop_ids=(1000,))
-  free = np.asarray(samplers.llada_generate(llada_model, ids, valid, jax.random.key(0), s).completion_BxG)
+  free = np.asarray(samplers.llada_generate(llada_model, ids, valid, jax.random.key(0), s).completion_BxC)
   stop = int(free[0, 5])  # a token this model really emits mid-completion
   r = samplers.llada_generate(llada_model, ids, valid, jax.random.key(0),
                               samplers.LLaDASampling(gen_length=16, block_length=8, steps=8,
                                                      stop_ids=(stop,), pad_id=0))
-  for row_free, row, n, mask in zip(free, np.asarray(r.completion_BxG), np.asarray(r.lengths_B),
-                                    np.asarray(r.completion_mask_BxG)):
+  for row_free, row, n, mask in zip(free, np.asarray(r.completion_BxC), np.asarray(r.lengths_B),
+                                    np.asarray(r.completion_mask_BxC)):
     kept, length = truncate(row_free, (stop,))
     assert n == length and mask.sum() == length
     np.testing.assert_array_equal(row[:length], kept)
@@ -200,7 +200,7 @@ def test_sdar_greedy_matches_reference_row_by_row_in_a_padded_batch(sdar_model, 
   kw = dict(gen_length=14, steps=3, strategy=strategy, threshold=0.02, use_cache=use_cache)
   free = samplers.sdar_generate(sdar_model, *left_pad(prompts), jax.random.key(0),
                                 samplers.SDARSampling(stop_ids=(1000,), **kw))
-  stop = int(np.asarray(free.completion_BxG)[1, 6])  # forces an early stop in some rows
+  stop = int(np.asarray(free.completion_BxC)[1, 6])  # forces an early stop in some rows
   r = samplers.sdar_generate(sdar_model, *left_pad(prompts), jax.random.key(0),
                              samplers.SDARSampling(stop_ids=(stop,), pad_id=0, **kw))
   stopped_early = 0
@@ -208,8 +208,8 @@ def test_sdar_greedy_matches_reference_row_by_row_in_a_padded_batch(sdar_model, 
     want, length = sdar_reference_row(sdar_model, pr, gen_length=14, steps=3, bs=bs, stops=(stop,),
                                       strategy=strategy.split("_")[-1], threshold=0.02)
     assert int(r.lengths_B[i]) == length
-    np.testing.assert_array_equal(np.asarray(r.completion_BxG)[i, :length], want)
-    assert (np.asarray(r.completion_BxG)[i, length:] == 0).all()
+    np.testing.assert_array_equal(np.asarray(r.completion_BxC)[i, :length], want)
+    assert (np.asarray(r.completion_BxC)[i, length:] == 0).all()
     stopped_early += length < 14
   assert stopped_early >= 1
 
@@ -220,7 +220,7 @@ def test_sdar_cache_and_recompute_agree_when_sampling(sdar_model):
   for use_cache in (True, False):
     s = samplers.SDARSampling(gen_length=16, steps=4, temperature=1.0, top_k=50, top_p=0.9,
                               use_cache=use_cache, stop_ids=(1000,))
-    outs.append(np.asarray(samplers.sdar_generate(sdar_model, ids, valid, jax.random.key(9), s).tokens_BxT))
+    outs.append(np.asarray(samplers.sdar_generate(sdar_model, ids, valid, jax.random.key(9), s).tokens_BxL))
   np.testing.assert_array_equal(outs[0], outs[1])
 
 
@@ -228,7 +228,7 @@ def test_sdar_sampling_matches_reference_with_the_same_draws(sdar_model):
   ids, valid = left_pad([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]])
   key, temp, top_k, bs, steps = jax.random.key(5), 0.8, 20, 4, 2
   s = samplers.SDARSampling(gen_length=11, steps=steps, temperature=temp, top_k=top_k, stop_ids=(1000,))
-  got = np.asarray(samplers.sdar_generate(sdar_model, ids, valid, key, s).completion_BxG)
+  got = np.asarray(samplers.sdar_generate(sdar_model, ids, valid, key, s).completion_BxC)
   x = np.concatenate([np.asarray(ids), np.full((2, 11), MASK)], 1)
   n_step = 0
   for j in range(5 // bs, (16 - 1) // bs + 1):
@@ -257,7 +257,7 @@ def test_sdar_commit_counts_follow_schedule(sdar_model):
   ids, valid = left_pad([[5, 6, 7, 8], [9, 10, 11, 12]])
   s = samplers.SDARSampling(gen_length=12, steps=3, temperature=1.0, stop_ids=(1000,))
   r = samplers.sdar_generate(sdar_model, ids, valid, jax.random.key(2), s)
-  when = np.asarray(r.commit_step_BxT)[:, 4:16]
+  when = np.asarray(r.commit_step_BxL)[:, 4:16]
   for row in when:  # 3 blocks of 4 masks over 3 steps each: 2, 1, 1
     np.testing.assert_array_equal([int((row == st).sum()) for st in range(9)], [2, 1, 1] * 3)
 
@@ -286,4 +286,4 @@ def test_samplers_run_sharded_over_the_batch(sdar_model):
   rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
   sharded = samplers.sdar_generate(sdar_model, jax.device_put(ids, rows), jax.device_put(valid, rows),
                                    jax.random.key(0), s)
-  np.testing.assert_array_equal(sharded.tokens_BxT, plain.tokens_BxT)
+  np.testing.assert_array_equal(sharded.tokens_BxL, plain.tokens_BxL)

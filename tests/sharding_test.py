@@ -78,8 +78,8 @@ def test_rollouts_on_another_mesh_decode_the_same_and_come_back_on_the_training_
   plain = train.generate(model, ids, np.ones_like(ids, bool), jax.random.key(3), sampling)
   other = train.generate(model, ids, np.ones_like(ids, bool), jax.random.key(3), sampling,
                          rollout_mesh=decode_mesh)
-  np.testing.assert_array_equal(other.tokens_BxT, plain.tokens_BxT)
-  assert other.tokens_BxT.sharding.mesh == mesh
+  np.testing.assert_array_equal(other.tokens_BxL, plain.tokens_BxL)
+  assert other.tokens_BxL.sharding.mesh == mesh
   assert sharding.model_mesh(model) is mesh  # the model itself stays where it was
   c.rollout_mesh.tensor = 0
   with pytest.raises(ValueError, match=r"config.rollout_mesh=.*give every axis a size"):
@@ -113,7 +113,7 @@ def _one_step(c, model, seqs, adv, mesh):
   batch, _ = train.behaviour_pass(model, None, seqs, adv, jax.random.key(1), obj)
   out = train.rl_step(model, opt, batch, jax.random.key(2), obj=obj, accumulation=2)
   params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-  elbo_old = float(jnp.sum(batch.logp_old_BxMxT * batch.weight_old_BxMxT))
+  elbo_old = float(jnp.sum(batch.logp_old_BxMxL * batch.weight_old_BxMxL))
   return elbo_old, float(out["loss"]), float(out["grad_norm"]), params
 
 

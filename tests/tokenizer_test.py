@@ -83,5 +83,5 @@ def test_chat_prompts_for_instruct_models(hf_dir):
   ex = {"question": "what is 2 + 3 ?", "answer": "5"}
   assert task.chat_prompt(ex, tok).startswith("<s><|user|> what is 2 + 3 ?")
   batch = pipeline.encode_prompts(task, [ex], tok, max_prompt_len=64, chat=True)
-  row = batch["prompt_ids_BxL"][0][batch["prompt_mask_BxL"][0]]
+  row = batch["prompt_ids_BxP"][0][batch["prompt_mask_BxP"][0]]
   assert row[0] == tok.bos_id and row[1] == 4 and row[-1] == 5  # one bos, ends on assistant

@@ -206,7 +206,7 @@ def test_remat_models_sample_like_plain_ones():
                         (samplers.LLaDASampling(gen_length=8, block_length=4, steps=4),
                          samplers.llada_generate)):
     outs = [gen(models.create(models.tiny(remat=r), seed=3), prompt, valid, jax.random.key(0),
-                sampling).tokens_BxT for r in (False, True)]
+                sampling).tokens_BxL for r in (False, True)]
     np.testing.assert_array_equal(outs[0], outs[1])
 
 

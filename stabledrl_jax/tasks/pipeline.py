@@ -4,7 +4,7 @@
     ds = prompt_batches(get_task("sudoku"), source, CharTokenizer(), batch_size=16, seed=0,
                         max_prompt_len=24)
     it = iter(ds)                      # a grain DatasetIterator
-    batch = next(it)                   # {"prompt_ids_BxL", "prompt_mask_BxL", "examples"}
+    batch = next(it)                   # {"prompt_ids_BxP", "prompt_mask_BxP", "examples"}
     state = it.get_state()             # save with the checkpoint; it.set_state(state) resumes
 
 Every batch is a slice of one global batch sequence: the records are shuffled (per epoch, from
@@ -108,7 +108,7 @@ def encode_prompts(
       )
     ids_BxL[b, max_prompt_len - len(ids) :] = ids
     mask_BxL[b, max_prompt_len - len(ids) :] = True
-  return {"prompt_ids_BxL": ids_BxL, "prompt_mask_BxL": mask_BxL, "examples": list(examples)}
+  return {"prompt_ids_BxP": ids_BxL, "prompt_mask_BxP": mask_BxL, "examples": list(examples)}
 
 
 def prompt_batches(
