@@ -7,7 +7,7 @@ against the device's measured bfloat16 matmul peak. Prints a markdown table.
 The peak is measured first in the same process: the best time of a square bfloat16 matmul
 (`--peak_n`, float32 accumulation). Then, on random weights (speed does not depend on them), it
 times the SDAR sampler (KV cache, `--sampler_steps` denoising steps per block) on
-`--prompts` x `--group` rollouts, and the RL update (`train.rl_step`: StableDRL with the staircase
+`--prompts` x `--group` rollouts, and the RL update (`rl.update`: StableDRL with the staircase
 likelihood, `--samples` masks per rollout, one optimiser step with fp32 master weights) on the
 same batch. FLOPs are analytic (`stabledrl_jax.flops`); MFU = FLOPs / time / measured peak.
 """
@@ -26,7 +26,7 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from stabledrl_jax import flops, likelihood, models, rl, samplers, train  # noqa: E402
+from stabledrl_jax import flops, likelihood, models, optim, rl, samplers  # noqa: E402
 
 
 def best_seconds(fn, runs: int) -> float:
@@ -64,16 +64,16 @@ def measure(args) -> list[tuple[str, ...]]:
 
   optim = ml_collections.ConfigDict(dict(grad_clip=1.0, b1=0.9, b2=0.99, weight_decay=0.0,
                                          decay_steps=0))
-  opt = nnx.Optimizer(model, train.make_optimizer(1e-6, 0, 1000, optim), wrt=nnx.Param)
+  opt = nnx.Optimizer(model, optim.make_optimizer(1e-6, 0, 1000, optim), wrt=nnx.Param)
   obj = rl.Objective(group_size=args.group, scheme="block_t", num_samples=args.samples,
                      block_size=cfg.block_size, staircase=True)
   seqs = likelihood.from_rollout(rollout)
   adv = jnp.asarray(rng.normal(size=b), jnp.float32)
-  batch, _ = train.behaviour_pass(model, None, seqs, adv, jax.random.key(1), obj)
-  t_update = best_seconds(lambda: train.rl_step(model, opt, batch, jax.random.key(2), obj=obj,
+  batch, _ = rl.behaviour_pass(model, None, seqs, adv, jax.random.key(1), obj)
+  t_update = best_seconds(lambda: rl.update(model, opt, batch, jax.random.key(2), obj=obj,
                                                 accumulation=args.accumulation)["loss"], args.runs)
   t_behaviour = best_seconds(
-      lambda: train.behaviour_pass(model, None, seqs, adv, jax.random.key(1), obj)[0].logp_old_BxMxL,
+      lambda: rl.behaviour_pass(model, None, seqs, adv, jax.random.key(1), obj)[0].logp_old_BxMxL,
       args.runs)
 
   total = seqs.tokens_BxL.shape[1]

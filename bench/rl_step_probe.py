@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from stabledrl_jax import checkpointing, config_lib, likelihood, losses, rl, train  # noqa: E402
+from stabledrl_jax import build, checkpointing, config_lib, likelihood, losses, optim, rl  # noqa: E402
 from stabledrl_jax.tasks import pipeline  # noqa: E402
 
 
@@ -43,14 +43,14 @@ def main() -> None:
   spec.loader.exec_module(module)
   c = module.get_config(preset or "tiny")
 
-  tok = train.build_tokenizer(c)
-  data = train.build_data(c, tok, args.workdir)
-  model = train.build_model(c, tok)
+  tok = build.tokenizer(c)
+  data = build.data(c, tok, args.workdir)
+  model = build.model(c, tok)
   ckpt = checkpointing.Checkpointer(os.path.join(args.workdir, "checkpoints"))
   step = ckpt.latest_step()
   if step is None:
     sys.exit(f"error: no checkpoint under {args.workdir}/checkpoints")
-  optimizer = nnx.Optimizer(model, train.make_optimizer(c.rl.lr, 0, 1, c.optim), wrt=nnx.Param)
+  optimizer = nnx.Optimizer(model, optim.make_optimizer(c.rl.lr, 0, 1, c.optim), wrt=nnx.Param)
   ckpt.restore(step, model, optimizer)
 
   g = c.rl.group_size
@@ -60,20 +60,20 @@ def main() -> None:
   ids = np.repeat(enc["prompt_ids_BxP"], g, 0)
   mask = np.repeat(enc["prompt_mask_BxP"], g, 0)
   examples = [e for e in exs for _ in range(g)]
-  sampling = train.sampling_settings(c, c.sampler.temperature)
-  obj = train.objective_settings(c)
+  sampling = config_lib.sampling(c, c.sampler.temperature)
+  obj = config_lib.settings(c).objective
 
   def mean_reward(m) -> float:
-    return float(np.mean([train.score(data, train.generate(m, ids, mask, jax.random.key(k), sampling),
+    return float(np.mean([rl.score(data.tokenizer, rl.generate(m, ids, mask, jax.random.key(k), sampling),
                                       examples, data.reward_fn).mean() for k in (1, 2)]))
 
   grads = None
   for i in range(args.batches):
-    rollout = train.generate(model, ids, mask, jax.random.key(100 + i), sampling)
-    adv = losses.group_advantages(jnp.asarray(train.score(data, rollout, examples, data.reward_fn)),
+    rollout = rl.generate(model, ids, mask, jax.random.key(100 + i), sampling)
+    adv = losses.group_advantages(jnp.asarray(rl.score(data.tokenizer, rollout, examples, data.reward_fn)),
                                   group_size=g, mode=c.rl.advantage)
     seqs = likelihood.from_rollout(rollout)
-    batch, _ = train.behaviour_pass(model, None, seqs, adv, jax.random.key(7 + i), obj)
+    batch, _ = rl.behaviour_pass(model, None, seqs, adv, jax.random.key(7 + i), obj)
     gi = nnx.grad(lambda m: rl.policy_loss(m, batch, jax.random.key(0), obj)[0])(model)
     grads = gi if grads is None else jax.tree.map(jnp.add, grads, gi)
 

@@ -2,7 +2,7 @@
 
   python -m stabledrl_jax.aot --config=configs/sdar.py:8b --topology=v5p:4x4x4
 
-Compiles, for the topology's chips and the config's mesh, the full RL train step (`train.rl_step`:
+Compiles, for the topology's chips and the config's mesh, the full RL train step (`rl.update`:
 `μ`-step gradient with accumulation and the optimiser update) and the sampler (one `generate` call
 for a rollout batch), with abstract, sharded parameters: no weights are read and no TPU is needed,
 only `libtpu` (`pip install "jax[tpu]"`). Prints per-chip memory (arguments, outputs, temporaries,
@@ -26,7 +26,7 @@ from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags
 
-from stabledrl_jax import config_lib, likelihood, models, rl, samplers, sharding, train
+from stabledrl_jax import build, config_lib, likelihood, models, optim, rl, samplers, sharding
 
 _CONFIG = config_flags.DEFINE_config_file("config", config_lib.resolve_config_arg("configs/sdar.py:8b"),
                                           "Training config file.", lock_config=True)
@@ -64,7 +64,7 @@ def model_config(c) -> models.ModelConfig:
   if c.model.checkpoint:  # the 8b presets, with a checkpoint path that is not on this host
     make = models.llada_8b if c.family == "llada" else models.sdar_8b
     return make(compute_dtype=c.model.compute_dtype, remat=c.model.remat)
-  return nnx.eval_shape(lambda: train.build_model(c, train.build_tokenizer(c))).config
+  return nnx.eval_shape(lambda: build.model(c, build.tokenizer(c))).config
 
 
 def abstract_model(cfg: models.ModelConfig, mesh) -> nnx.Module:
@@ -146,24 +146,24 @@ def check(c, devices: list, hbm_gib: float | None = None) -> dict[str, Any]:
   hbm = hbm_gib if hbm_gib is not None else next(
       (v for k, v in sorted(HBM_GIB.items(), key=lambda kv: -len(kv[0])) if kind.startswith(k)), None)
   model = abstract_model(cfg, mesh)
-  obj = dataclasses.replace(train.objective_settings(c), block_size=(
+  obj = dataclasses.replace(config_lib.settings(c).objective, block_size=(
       cfg.block_size if c.family == "sdar" else c.sampler.block_length))
-  tx = train.make_optimizer(c.rl.lr, c.rl.warmup_steps, c.rl.steps * c.rl.updates_per_batch, c.optim)
+  tx = optim.make_optimizer(c.rl.lr, c.rl.warmup_steps, c.rl.steps * c.rl.updates_per_batch, c.optim)
   opt = abstract_optimizer(model, tx, mesh)
   batch = rl_batch_shapes(c, cfg, mesh)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=replicated)
   results = {"device_kind": kind, "chips": len(devices), "mesh": dict(mesh.shape),
              "hbm_gib": hbm, "params": cfg.num_params}
-  results["rl_step"] = _compile(lambda: train.rl_step.lower(
+  results["rl_step"] = _compile(lambda: rl.update.lower(
       model, opt, batch, key, obj=obj, accumulation=c.rl.accumulation))
 
   b = c.rl.prompts_per_step * c.rl.group_size
-  sampling = train.sampling_settings(c, c.sampler.temperature)
+  sampling = config_lib.sampling(c, c.sampler.temperature)
   if isinstance(sampling, samplers.SDARSampling):
     sampling = dataclasses.replace(sampling, block_size=cfg.block_size)
   gen = samplers.llada_generate if c.family == "llada" else samplers.sdar_generate
-  decode_mesh = train.build_rollout_mesh(c, mesh) or mesh  # config.rollout_mesh, if set
+  decode_mesh = build.rollout_mesh(c, mesh) or mesh  # config.rollout_mesh, if set
   if decode_mesh is not mesh:
     results["rollout_mesh"] = dict(decode_mesh.shape)
     model = abstract_model(cfg, decode_mesh)

@@ -2,12 +2,15 @@
 
 `configs/llada.py` and `configs/sdar.py` build on `base_config(family)`. The dict is locked, so an
 override of a key that does not exist fails in `config_flags` and names the key; `validate` then
-checks values before anything is compiled or written.
+checks values before anything is compiled or written, and `settings` turns the config into the
+typed settings the modules take (`rl.Objective`, the samplers' settings, `detectors.MonitorConfig`,
+`controls.ControlConfig`). Every value has its one default here and its one check in `validate`.
 """
 from __future__ import annotations
 
 import math
 import os
+from typing import Any, NamedTuple
 
 import ml_collections
 
@@ -101,6 +104,7 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.rl.epsilon = 5.0            # StableDRL clip: log ratio in [log(max(1-ε,0)), log(1+ε)]
   c.rl.max_ratio = 0.0          # > 0: clip the ratio at this value from above only (official: 5)
   c.rl.ppo_epsilon = 0.5        # GRPO / ESPO clip
+  c.rl.epsilon_high = 0.0       # GRPO's upper clip ("clip-higher"); 0 = rl.ppo_epsilon
   c.rl.kl_coef = 0.0            # > 0 keeps a frozen reference model (GRPO k3, ESPO k2)
   c.rl.advantage = "mean"       # mean | mean_std | leave_one_out
   c.rl.spg_omega = 0.5
@@ -125,26 +129,34 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   # threshold: commit every token this confident (0 = off; SDAR: low_confidence_dynamic's).
   c.sampler.cache = "none"
   c.sampler.threshold = 0.0
+  c.sampler.top_k = 0           # SDAR: sample among the k most likely tokens (0 = all)
+  c.sampler.top_p = 1.0         # SDAR: nucleus sampling mass (1 = all)
+  c.sampler.cfg_scale = 0.0     # LLaDA: classifier-free guidance scale (0 = none)
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 10             # RL steps between held-out evaluations
   c.eval.num_examples = 256
   c.eval.batch_size = 128
 
-  # Stability detectors (docs/method.md §8, `controls.MonitorConfig`): events go to metrics.jsonl and the
+  # Stability detectors (docs/method.md §8, `detectors.MonitorConfig`): events go to metrics.jsonl and the
   # console, each naming its row of the README's Troubleshooting table.
   c.stability = ml_collections.ConfigDict()
   c.stability.entropy_band = True         # token entropy leaves its running band (either collapse)
   c.stability.entropy_z = 5.0
   c.stability.repetition = True           # low-entropy collapse: repeated 4-grams in rollouts
   c.stability.repetition_threshold = 0.5
+  c.stability.repetition_consecutive = 2
   c.stability.kl_alarm = True             # KL(old‖new) per token above threshold, 3 steps running
+  c.stability.kl_metric = "kl_k3"           # kl_k1 or kl_k3 (`diagnostics.kl_estimates`)
   c.stability.kl_threshold = 0.8
+  c.stability.kl_consecutive = 3
   c.stability.zero_advantage = True       # most groups carry no learning signal
   c.stability.zero_advantage_threshold = 0.9
+  c.stability.zero_advantage_consecutive = 10
   c.stability.clip_band = False           # clip fraction outside [clip_low, clip_high]
   c.stability.clip_low = 0.10
   c.stability.clip_high = 0.15
+  c.stability.clip_consecutive = 20
   c.stability.stop_on_event = False       # True: checkpoint and stop at the first event
 
   # Optional controls (docs/method.md §8, `controls.ControlConfig`), all off: they move the clip ε of the
@@ -246,8 +258,19 @@ def validate(c: ml_collections.ConfigDict) -> None:
     bad("controls.conservative_fraction", "must lie in [0, 1]")
   if not 0 <= k.clip_low < k.clip_high <= 1:
     bad("controls.clip_high", f"need 0 <= controls.clip_low={k.clip_low} < clip_high <= 1")
-  if k.drift_metric not in ("kl_k1", "kl_k3"):
-    bad("controls.drift_metric", "expected 'kl_k1' or 'kl_k3'")
+  for key in ("controls.drift_metric", "stability.kl_metric"):
+    group, name = key.split(".")
+    if c[group][name] not in ("kl_k1", "kl_k3"):
+      bad(key, "expected 'kl_k1' or 'kl_k3'")
+  for name in ("repetition", "kl", "zero_advantage", "clip"):
+    if c.stability[f"{name}_consecutive"] < 1:
+      bad(f"stability.{name}_consecutive", "must be >= 1")
+  if not 0 <= c.stability.clip_low < c.stability.clip_high <= 1:
+    bad("stability.clip_high", f"need 0 <= stability.clip_low={c.stability.clip_low} < clip_high <= 1")
+  if c.rl.epsilon_high < 0:
+    bad("rl.epsilon_high", "must be >= 0 (0 = rl.ppo_epsilon)")
+  if c.rl.epsilon_high and c.rl.objective != "grpo":
+    bad("rl.epsilon_high", f"only GRPO has an upper clip of its own, not rl.objective={c.rl.objective!r}")
   if k.adaptive_every < 1:
     bad("controls.adaptive_every", "must be >= 1")
   if k.conservative_epsilon < 0:
@@ -271,6 +294,16 @@ def validate(c: ml_collections.ConfigDict) -> None:
     bad("sampler.cache", "expected none, prefix or dual (LLaDA only; SDAR decodes with its cache)")
   if not 0 <= c.sampler.threshold <= 1:
     bad("sampler.threshold", "must lie in [0, 1] (0 = off)")
+  if c.sampler.top_k < 0:
+    bad("sampler.top_k", "must be >= 0 (0 = all tokens)")
+  if not 0 < c.sampler.top_p <= 1:
+    bad("sampler.top_p", "must lie in (0, 1]")
+  if c.sampler.cfg_scale < 0:
+    bad("sampler.cfg_scale", "must be >= 0 (0 = no guidance)")
+  if c.family == "llada" and (c.sampler.top_k or c.sampler.top_p < 1):
+    bad("sampler.top_k" if c.sampler.top_k else "sampler.top_p", "the LLaDA sampler has no top-k/top-p")
+  if c.family == "sdar" and c.sampler.cfg_scale:
+    bad("sampler.cfg_scale", "the SDAR sampler has no classifier-free guidance")
   if c.family == "llada":
     if c.sampler.gen_length % c.sampler.block_length:
       bad("sampler.block_length", f"must divide sampler.gen_length={c.sampler.gen_length}")
@@ -283,11 +316,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.model.tokenizer != "char" and not c.model.checkpoint:
     bad("model.tokenizer", "a Hugging Face tokenizer needs model.checkpoint")
   if c.model.checkpoint:
-    import os
     if not os.path.isdir(c.model.checkpoint):
       bad("model.checkpoint", "no such directory")
   if c.task.source == "local":
-    import os
     if not c.task.source_dir:
       bad("task.source_dir", "task.source='local' needs the folder of your data files "
           "(GSM8K: train.jsonl, test.jsonl); or set task.source=public to download GSM8K")
@@ -298,6 +329,56 @@ def validate(c: ml_collections.ConfigDict) -> None:
   for name, weight in c.task.reward_weights.items():
     if not isinstance(weight, (int, float)):
       raise ValueError(f"config.task.reward_weights.{name}={weight!r}: must be a number")
+
+
+def block_size(c: ml_collections.ConfigDict) -> int:
+  """The family's block: SDAR's diffusion block (`model.block_size`), LLaDA's semi-autoregressive
+  sampler block (`sampler.block_length`); masks, the staircase and the checks use it."""
+  return c.model.block_size if c.family == "sdar" else c.sampler.block_length
+
+
+class Settings(NamedTuple):
+  """The config as the typed settings the modules take (`settings`)."""
+  objective: Any      # rl.Objective
+  sampling: Any       # samplers.SDARSampling or LLaDASampling of the rollouts
+  eval_sampling: Any  # the same, greedy, for held-out evaluation
+  monitor: Any        # detectors.MonitorConfig
+  controls: Any       # controls.ControlConfig
+  block_size: int     # `block_size(c)`
+  staircase: bool     # SDAR: the block-causal (staircase) likelihood
+
+
+def sampling(c: ml_collections.ConfigDict, temperature: float, rollout: bool = True):
+  """The family's sampler settings of `config.sampler` at `temperature`; `sampler.cache` /
+  `sampler.threshold` apply to rollouts only (evaluation passes `rollout=False` and keeps the exact
+  sampler)."""
+  from stabledrl_jax import samplers
+  s = c.sampler
+  if c.family == "llada":
+    fast = {"cache": s.cache, "threshold": s.threshold or None} if rollout else {}
+    return samplers.LLaDASampling(gen_length=s.gen_length, block_length=s.block_length,
+                                  steps=s.steps, temperature=temperature, remasking=s.remasking,
+                                  cfg_scale=s.cfg_scale, **fast)
+  threshold = {"threshold": s.threshold} if rollout and s.threshold else {}
+  return samplers.SDARSampling(gen_length=s.gen_length, steps=s.steps, strategy=s.strategy,
+                               temperature=temperature, block_size=c.model.block_size,
+                               top_k=s.top_k, top_p=s.top_p, **threshold)
+
+
+def settings(c: ml_collections.ConfigDict) -> Settings:
+  """`validate`d config -> typed settings, once per run."""
+  from stabledrl_jax import controls, detectors, rl
+  staircase = c.family == "sdar"
+  objective = rl.Objective(
+      name=c.rl.objective, group_size=c.rl.group_size, scheme=c.rl.scheme,
+      num_samples=c.rl.num_samples, p_mask_prompt=c.rl.p_mask_prompt, block_size=block_size(c),
+      staircase=staircase, coupling=c.rl.coupling, epsilon=c.rl.epsilon,
+      max_ratio=c.rl.max_ratio or None, ppo_epsilon=c.rl.ppo_epsilon,
+      epsilon_high=c.rl.epsilon_high or None, kl_coef=c.rl.kl_coef, spg_omega=c.rl.spg_omega,
+      spg_beta=c.rl.spg_beta, adversarial=c.rl.adversarial)
+  return Settings(objective, sampling(c, c.sampler.temperature), sampling(c, 0.0, rollout=False),
+                  detectors.MonitorConfig(**c.stability.to_dict()),
+                  controls.ControlConfig(**c.controls.to_dict()), block_size(c), staircase)
 
 
 PRESETS = ("tiny", "smoke", "8b", "8b_official")

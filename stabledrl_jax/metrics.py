@@ -13,9 +13,32 @@ import queue
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+
+
+class StepResult(NamedTuple):
+  """What a training step reports: the metrics record (floats), and for throughput the tokens it
+  processed and its analytic FLOPs per phase (`flops`)."""
+  record: dict[str, Any]
+  tokens: int
+  flops: dict[str, float]
+
+
+def throughput(step_flops: dict[str, float], tokens: int, wall: float,
+               peak: float | None = None) -> dict[str, float]:
+  """Tokens/s (in all and per device), the analytic FLOPs of each phase (`flops_<phase>`), the
+  achieved TFLOP/s per device over the step's wall time, and MFU against the device's bf16 `peak`
+  FLOP/s where it is known (`flops.peak_flops`; not on CPU)."""
+  n = jax.device_count()
+  total = sum(step_flops.values())
+  out = {"tokens_per_s": tokens / wall, "tokens_per_s_per_device": tokens / wall / n,
+         **{f"flops_{k}": v for k, v in step_flops.items()},
+         "tflops_per_s_per_device": total / wall / n / 1e12}
+  if peak:
+    out["mfu"] = total / wall / n / peak
+  return out
 
 
 def _clean(v: Any) -> Any:
@@ -118,7 +141,7 @@ class MetricsWriter:
       return
     elapsed = time.time() - self._t0
     eta = elapsed / self._steps_done * (self.total - step - 1)
-    parts = [f"[{stage}] step {step + 1}/{self.total}", f"loss {record['loss']:.4f}"]
+    parts = [f"[{stage}] step {step}/{self.total}", f"loss {record['loss']:.4f}"]
     if "reward_mean" in record:
       parts.append(f"reward {record['reward_mean']:.3f}")
     parts += [f"grad {record['grad_norm']:.3g}"]

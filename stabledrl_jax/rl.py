@@ -1,18 +1,29 @@
-"""RL and SFT objectives on a model: the glue between `likelihood` and the pure `losses`.
+"""One RL step, top to bottom: rollouts -> rewards -> group advantages -> the behaviour policy's
+masks and log-probs -> μ optimiser updates -> rollout diagnostics (`step`), with the compiled
+pieces (`behaviour_pass`, `update`) next to the objectives they wrap (`policy_loss`).
 
 Each objective maps (model, a batch of scored rollouts, the behaviour policy's log-probs under
 the batch's masks) to `(loss, metrics)`. The behaviour policy's log-probs are computed once per
-rollout batch (`behaviour_logp`) and reused for all `μ` optimiser steps.
+rollout batch and reused for all `μ` optimiser steps. The pure math is in `losses`, the model side
+of the ELBO in `likelihood`, the mask draws in `estimators`.
+
+Shapes: `B` rollouts (groups of `G` contiguous), `M` Monte Carlo masks, `L` sequence slots, `C`
+generated tokens, `P` prompt tokens.
 """
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-from stabledrl_jax import diagnostics, estimators, likelihood, losses
+from stabledrl_jax import (diagnostics, estimators, flops, likelihood, llada_cached, losses, metrics,
+                           optim, samplers, sharding)
+from stabledrl_jax.tasks import pipeline
 
 Array = jax.Array
 
@@ -31,6 +42,7 @@ class Objective:
   epsilon: float = 5.0
   max_ratio: float | None = None
   ppo_epsilon: float = 0.5
+  epsilon_high: float | None = None  # GRPO's upper clip (None: ppo_epsilon)
   kl_coef: float = 0.0
   spg_omega: float = 0.5
   spg_beta: float = 1.5
@@ -55,14 +67,36 @@ class RLBatch(NamedTuple):
   adversarial: Adversarial | None = None
 
 
-def draw_masks(key: Array, seqs: likelihood.Sequences, obj: Objective) -> estimators.MaskSample:
-  return likelihood.sample(key, seqs, scheme=obj.scheme, num_samples=obj.num_samples,
-                           p_mask_prompt=obj.p_mask_prompt, block_size=obj.block_size)
+# ----------------------------------------------------------------------------- rollouts
 
 
-def logp(model, seqs: likelihood.Sequences, noised_BxMxL: Array, obj: Objective) -> Array:
-  return likelihood.masked_logp(model, seqs, noised_BxMxL, staircase=obj.staircase,
-                                block_size=obj.block_size)
+def generate(model, prompt_ids_BxP, prompt_mask_BxP, key, sampling, *, rows: int | None = None,
+             start: int = 0, rollout_mesh=None) -> samplers.Rollout:
+  """Rollouts for a batch of prompts, the batch split over the model's mesh (if any). With
+  several processes the host arrays are rows `[start, ...)` of a `rows`-row global batch.
+
+  With a `rollout_mesh`, the weights and prompts are resharded onto it for decoding and the
+  rollout comes back on the model's mesh.
+  """
+  fn = samplers.llada_generate if isinstance(sampling, samplers.LLaDASampling) else samplers.sdar_generate
+  mesh = sharding.model_mesh(model)
+  ids, mask = sharding.shard_batch((np.asarray(prompt_ids_BxP), np.asarray(prompt_mask_BxP)), mesh,
+                                   rows=rows, start=start)
+  if rollout_mesh is None:
+    return fn(model, jnp.asarray(ids), jnp.asarray(mask), key, sampling)
+  decoder = sharding.resharded(model, rollout_mesh)
+  ids, mask = sharding.shard_batch((ids, mask), rollout_mesh)
+  return sharding.shard_batch(fn(decoder, ids, mask, key, sampling), mesh)
+
+
+def score(tokenizer, rollout: samplers.Rollout, examples, reward_fn, start: int = 0) -> np.ndarray:
+  """Rewards of the rollouts `[start, start + len(examples))` (this process's), on the host."""
+  completions = sharding.to_host(rollout.completion_BxC)[start:start + len(examples)]
+  texts = pipeline.decode_completions(tokenizer, completions)
+  return np.array([reward_fn(t, ex) for t, ex in zip(texts, examples)], np.float32)
+
+
+# ----------------------------------------------------------------------------- objectives
 
 
 def behaviour_logp(model, seqs: likelihood.Sequences, key: Array, obj: Objective):
@@ -73,7 +107,7 @@ def behaviour_logp(model, seqs: likelihood.Sequences, key: Array, obj: Objective
   "hard" ones. `token_entropy` is the mean entropy (nats) of the old policy's predictions at the
   masked counted positions of the rollouts, from the same forward pass.
   """
-  masks = draw_masks(key, seqs, obj)
+  masks = _draw_masks(key, seqs, obj)
   adversarial = None
   if obj.adversarial > 0:
     rows_B, easy, hard = estimators.adversarial_masks(
@@ -86,6 +120,11 @@ def behaviour_logp(model, seqs: likelihood.Sequences, key: Array, obj: Objective
   seen = masks.noised_BxMxL & seqs.counted_BxL[:, None, :]
   entropy = jnp.sum(jnp.where(seen, ent, 0.0)) / jnp.maximum(jnp.sum(seen), 1)
   return masks, jax.lax.stop_gradient(lp), adversarial, jax.lax.stop_gradient(entropy)
+
+
+def _draw_masks(key: Array, seqs: likelihood.Sequences, obj: Objective) -> estimators.MaskSample:
+  return likelihood.sample(key, seqs, scheme=obj.scheme, num_samples=obj.num_samples,
+                           p_mask_prompt=obj.p_mask_prompt, block_size=obj.block_size)
 
 
 def _where_rows(rows_B: Array, on: estimators.MaskSample,
@@ -114,12 +153,13 @@ def policy_loss(model, batch: RLBatch, key: Array, obj: Objective,
   if obj.coupling == "coupled":
     masks = estimators.MaskSample(batch.noised_old_BxMxL, batch.weight_old_BxMxL)
   else:
-    masks = draw_masks(key, batch.seqs, obj)
+    masks = _draw_masks(key, batch.seqs, obj)
   if batch.adversarial is not None:
     adv = batch.adversarial
     masks = _where_rows(adv.rows_B, estimators.MaskSample(adv.noised_BxMxL, adv.weight_BxMxL), masks)
   noised, weight = masks
-  logp_new = logp(model, batch.seqs, noised, obj)
+  logp_new = likelihood.masked_logp(model, batch.seqs, noised, staircase=obj.staircase,
+                                    block_size=obj.block_size)
   log_ratio, elbo_new = losses.elbo_ratio(logp_new, weight, batch.logp_old_BxMxL,
                                           batch.weight_old_BxMxL)
   lengths = jnp.sum(batch.seqs.counted_BxL, axis=-1)
@@ -151,7 +191,8 @@ def _objective(batch: RLBatch, logp_new: Array, noised: Array, log_ratio: Array,
     lp_ref, _ = _per_token(batch.logp_ref_BxMxL, batch.noised_old_BxMxL)
     mask = seqs.counted_BxL & seen
     return losses.grpo_clip_loss(lp_new - lp_old, adv, epsilon=ppo_eps, mask=mask,
-                                 ref_log_ratio=lp_ref - lp_new, kl_coef=obj.kl_coef)
+                                 epsilon_high=obj.epsilon_high, ref_log_ratio=lp_ref - lp_new,
+                                 kl_coef=obj.kl_coef)
   if name == "espo":
     elbo_old = losses.mc_elbo(batch.logp_old_BxMxL, batch.weight_old_BxMxL)
     elbo_ref = losses.mc_elbo(batch.logp_ref_BxMxL, batch.weight_old_BxMxL)
@@ -168,16 +209,101 @@ def _objective(batch: RLBatch, logp_new: Array, noised: Array, log_ratio: Array,
   raise ValueError(f"unknown objective {name!r}")
 
 
-def sft_loss(model, seqs: likelihood.Sequences, key: Array, *, scheme: str, staircase: bool,
-             block_size: int) -> tuple[Array, dict[str, Array]]:
-  """Masked-diffusion SFT: minus the Monte Carlo ELBO of the reference completions (one mask).
+# ----------------------------------------------------------------------------- compiled pieces
 
-  `random_t` is LLaDA's pretraining/SFT objective; `block_t` with the staircase is SDAR's
-  block-diffusion objective (each block's noisy copy conditioned on the clean prefix).
+
+@nnx.jit(static_argnames=("obj",))
+def behaviour_pass(model, ref_model, seqs, advantages_B, key, obj: Objective):
+  """The behaviour policy's masks and log-probs (and the reference's, with a KL term) for a
+  rollout batch: `(RLBatch, token_entropy)`."""
+  masks, logp_old, adversarial, entropy = behaviour_logp(model, seqs, key, obj)
+  logp_ref = (likelihood.masked_logp(ref_model, seqs, masks.noised_BxMxL, staircase=obj.staircase,
+                                     block_size=obj.block_size)
+              if ref_model is not None else jnp.zeros_like(logp_old))
+  batch = RLBatch(seqs, advantages_B, masks.noised_BxMxL, masks.weight_BxMxL, logp_old,
+                  jax.lax.stop_gradient(logp_ref), adversarial)
+  return batch, entropy
+
+
+# The update donates the model and optimiser buffers: XLA updates them in place, so the old and
+# the new weights and moments never coexist (for 8B that is the difference between fitting or not).
+@nnx.jit(static_argnames=("obj", "accumulation"), donate_argnames=("model", "optimizer"))
+def update(model, optimizer, batch: RLBatch, key, clip_epsilon=None, lr_scale=1.0, *,
+           obj: Objective, accumulation: int):
+  """One optimiser step over `accumulation` micro-batches of whole groups.
+
+  `clip_epsilon` (None: the objective's own) and `lr_scale` are traced, so the controls can move
+  them every step without a recompile.
   """
-  masks = likelihood.sample(key, seqs, scheme=scheme, num_samples=1, p_mask_prompt=0.0,
-                            block_size=block_size)
-  lp = likelihood.masked_logp(model, seqs, masks.noised_BxMxL, staircase=staircase,
-                              block_size=block_size)
-  elbo = losses.mc_elbo(lp, masks.weight_BxMxL)
-  return -jnp.mean(elbo), {}
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss_fn(p, micro, k):
+    return policy_loss(nnx.merge(graphdef, p, rest), micro, k, obj, clip_epsilon)
+
+  def micro_step(grads, xs):  # one micro-batch; lax.scan compiles it once for all of them
+    micro, k = xs
+    (loss, m), g = jax.value_and_grad(loss_fn, has_aux=True)(params, micro, k)
+    return jax.tree.map(jnp.add, grads, g), (loss, m)
+
+  micro_batches = jax.tree.map(lambda x: x.reshape(accumulation, -1, *x.shape[1:]), batch)
+  keys = jax.vmap(lambda a: jax.random.fold_in(key, a))(jnp.arange(accumulation))
+  grads, (losses_A, metrics_A) = jax.lax.scan(
+      micro_step, jax.tree.map(jnp.zeros_like, params), (micro_batches, keys))
+  grads = jax.tree.map(lambda g: g / accumulation, grads)
+  out = {k: jnp.mean(v) for k, v in metrics_A.items()}
+  out["loss"] = jnp.mean(losses_A)
+  return {**out, **optim.apply(model, optimizer, grads, lr_scale=lr_scale)}
+
+
+# Op by op, every jnp call on a multi-process array is its own SPMD program; dozens of small ones in
+# flight deadlocked a 2-process CPU (gloo) run once, each process blocked in a different op. So a
+# step's rollout statistics are one compiled program each.
+_advantages = jax.jit(losses.group_advantages, static_argnames=("group_size", "mode"))
+_step_diagnostics = jax.jit(diagnostics.step_diagnostics, static_argnames=("group_size", "ngram"))
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def step(c, s, data, model, ref_model, optimizer, key, clip_epsilon: float | None = None,
+         lr_scale: float = 1.0, rollout_mesh=None) -> metrics.StepResult:
+  """One RL step of the run configured by `c` (`s = config_lib.settings(c)`) on this process's
+  next prompts of `data.rl`: rollouts -> rewards -> advantages -> behaviour log-probs -> μ
+  optimiser updates -> diagnostics."""
+  obj, group = s.objective, s.objective.group_size
+  k_roll, k_mask, k_update = jax.random.split(key, 3)
+  batch = next(data.rl)  # this process's prompts: rows [start, ...) of the step's B rollouts
+  ids = np.repeat(batch["prompt_ids_BxP"], group, axis=0)
+  mask = np.repeat(batch["prompt_mask_BxP"], group, axis=0)
+  examples = [ex for ex in batch["examples"] for _ in range(group)]
+  rows, start = c.rl.prompts_per_step * group, data.rl_rows[0] * group
+
+  t_rollout = time.perf_counter()
+  rollout = generate(model, ids, mask, k_roll, s.sampling, rows=rows, start=start,
+                     rollout_mesh=rollout_mesh)
+  rollout_log = llada_cached.rollout_record(s.sampling, rollout, t_rollout)
+  rewards = sharding.shard_batch(score(data.tokenizer, rollout, examples, data.reward_fn, start),
+                                 sharding.model_mesh(model), rows=rows, start=start)
+  adv = _advantages(rewards, group_size=group, mode=c.rl.advantage)
+  rl_batch, entropy = behaviour_pass(model, ref_model, likelihood.from_rollout(rollout), adv,
+                                     k_mask, obj)
+  eps = None if clip_epsilon is None else jnp.float32(clip_epsilon)
+  outs = [update(model, optimizer, rl_batch, jax.random.fold_in(k_update, u), eps,
+                 jnp.float32(lr_scale), obj=obj, accumulation=c.rl.accumulation)
+          for u in range(c.rl.updates_per_batch)]
+
+  record = {k: float(np.mean([float(o[k]) for o in outs])) for k in outs[0] if k != "skipped"}
+  record["skipped"] = int(sum(int(o["skipped"]) for o in outs))
+  record["grad_norm_max"] = float(np.max([float(o["grad_norm"]) for o in outs]))  # nan if any is
+  record["token_entropy"] = float(entropy)
+  record.update(diagnostics.to_floats(_step_diagnostics(
+      rewards_B=rewards, group_size=group, mask_BxL=rollout.completion_mask_BxC,
+      tokens_BxL=rollout.completion_BxC)))
+  record.update(rollout_log)
+  length = rl_batch.seqs.tokens_BxL.shape[1]
+  step_flops = flops.rl_step_flops(model.config, flops.StepShape(
+      rows=rl_batch.seqs.tokens_BxL.shape[0], prompt=ids.shape[1], gen=c.sampler.gen_length,
+      total=length, samples=obj.num_samples, updates=c.rl.updates_per_batch,
+      sampler_steps=c.sampler.steps, block=obj.block_size, staircase=obj.staircase,
+      reference=ref_model is not None))
+  return metrics.StepResult(record, int(jnp.sum(rollout.lengths_B)), step_flops)

@@ -1,142 +1,16 @@
-"""Tests for stabledrl_jax.controls: detectors, adaptive ε, schedules, drift brake, checks."""
+"""Tests for stabledrl_jax.controls: adaptive ε, schedules, drift brake, config checks."""
 import json
 import math
-import pathlib
 
 import numpy as np
 import pytest
 
-from stabledrl_jax import controls, diagnostics
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from stabledrl_jax import config_lib, controls
 
 
-def healthy_entropy(rng, steps):
-  """A normal run: entropy wandering inside a 3.5–5.0 band."""
-  return np.clip(4.25 + 0.25 * rng.standard_normal(steps), 3.5, 5.0)
-
-
-def monitor(**kw):
-  return controls.StabilityMonitor(controls.MonitorConfig(**kw))
-
-
-# ----------------------------------------------------------------------------- table
-
-
-def test_troubleshooting_doc_is_the_rendered_table():
-  assert controls.troubleshooting_markdown() in (ROOT / "README.md").read_text()
-
-
-def test_table_has_the_required_rows():
-  assert set(controls.TROUBLESHOOTING) >= {
-      "high_entropy_collapse", "low_entropy_collapse", "kl_alarm", "vanishing_gradients",
-      "stalls", "growing_noise", "zero_advantage_groups", "clip_fraction_out_of_band"}
-  assert "×1.5" in controls.TROUBLESHOOTING["vanishing_gradients"].fix
-  assert "log space" in controls.TROUBLESHOOTING["stalls"].fix
-  assert "≥ 2" in controls.TROUBLESHOOTING["growing_noise"].fix
-
-
-def test_monitor_is_off_by_default():
-  m = controls.StabilityMonitor()
-  assert m.detectors == {}
-  assert m.update(0, {"token_entropy": 99.0, "kl_k3": 99.0, "repetition_rate": 1.0}) == []
-
-
-# ----------------------------------------------------------------------------- detectors
-
-
-def test_entropy_detector_quiet_on_a_healthy_run():
-  m = monitor(entropy_band=True)
-  for step, h in enumerate(healthy_entropy(np.random.default_rng(0), 500)):
-    assert m.update(step, {"token_entropy": float(h)}) == []
-
-
-def test_entropy_detector_fires_once_on_the_spec_spike():
-  # docs/method.md §8: 4.2 → 7.8 in three steps against a normal 3.5–5.0 band.
-  m = monitor(entropy_band=True)
-  run = list(healthy_entropy(np.random.default_rng(1), 50)) + [4.2, 5.4, 6.6, 7.8, 7.9, 8.0]
-  events = [e for step, h in enumerate(run) for e in m.update(step, {"token_entropy": float(h)})]
-  assert len(events) == 1
-  (e,) = events
-  assert e.name == "high_entropy_collapse" and 51 <= e.step <= 53
-  assert "high_entropy_collapse" in e.message
-
-
-def test_entropy_detector_fires_low_on_a_collapse_and_re_arms():
-  m = monitor(entropy_band=True)
-  run = list(healthy_entropy(np.random.default_rng(2), 50)) + [0.3] * 5 + [4.2] * 5 + [0.2]
-  events = [e for step, h in enumerate(run) for e in m.update(step, {"token_entropy": float(h)})]
-  assert [(e.name, e.step) for e in events] == [("low_entropy_collapse", 50),
-                                                ("low_entropy_collapse", 60)]
-
-
-def test_repetition_detector_fires_on_repetitive_rollouts_only():
-  rng = np.random.default_rng(3)
-  mask = np.ones((8, 32), bool)
-  healthy = rng.integers(0, 1000, size=(8, 32))
-  zeros = np.zeros((8, 32), int)  # "0000…"
-  refusal = np.tile(np.arange(4), (8, 8))  # one short phrase over and over
-  m = monitor(repetition=True)
-  step = 0
-  for tokens, want_events in [(healthy, 0), (zeros, 1), (refusal, 0), (healthy, 0),
-                              (refusal, 1)]:
-    events = []
-    for _ in range(3):
-      rate = float(diagnostics.repetition_rate(tokens, mask, 4))
-      events += m.update(step, {"repetition_rate": rate})
-      step += 1
-    assert len(events) == want_events, (step, rate)
-    assert all(e.name == "low_entropy_collapse" for e in events)
-
-
-def test_kl_alarm_needs_three_consecutive_steps():
-  m = monitor(kl_alarm=True)
-  kl = [0.1, 0.9, 0.9, 0.5, 0.9, 0.9, 0.2, 1.0, 1.2, 1.5, 2.0, 3.0, 0.1, 0.9, 0.9, 0.9]
-  events = [e for step, v in enumerate(kl) for e in m.update(step, {"kl_k3": v})]
-  assert [(e.name, e.step) for e in events] == [("kl_alarm", 9), ("kl_alarm", 15)]
-  assert "0.8" in events[0].message and "'kl_alarm'" in events[0].message
-
-
-def test_kl_alarm_treats_non_finite_as_above():
-  m = monitor(kl_alarm=True)
-  events = [e for step in range(3) for e in m.update(step, {"kl_k3": math.nan})]
-  assert [e.step for e in events] == [2]
-
-
-def test_zero_advantage_and_clip_band_alarms():
-  m = monitor(zero_advantage=True, clip_band=True, clip_consecutive=3,
-              zero_advantage_consecutive=2)
-  events = []
-  for step, (z, c) in enumerate([(0.95, 0.12), (0.95, 0.02), (0.5, 0.03), (0.5, 0.04)]):
-    events += m.update(step, {"zero_adv_fraction": z, "clip_fraction": c})
-  assert [(e.name, e.step) for e in events] == [("zero_advantage_groups", 1),
-                                                ("clip_fraction_out_of_band", 3)]
-
-
-def test_monitor_state_round_trips_through_json():
-  cfg = controls.MonitorConfig(entropy_band=True, kl_alarm=True, repetition=True)
-  rng = np.random.default_rng(4)
-  ent = list(healthy_entropy(rng, 30)) + [4.2, 5.4, 6.6, 7.8] + list(healthy_entropy(rng, 10))
-  kl = list(rng.random(len(ent)) * 1.2)
-  rep = list(rng.random(len(ent)))
-  metrics = [{"token_entropy": e, "kl_k3": k, "repetition_rate": r}
-             for e, k, r in zip(ent, kl, rep)]
-  whole = controls.StabilityMonitor(cfg)
-  want = [whole.update(s, x) for s, x in enumerate(metrics)]
-  first = controls.StabilityMonitor(cfg)
-  got = [first.update(s, x) for s, x in enumerate(metrics[:31])]
-  resumed = controls.StabilityMonitor(cfg)
-  resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
-  got += [resumed.update(s, x) for s, x in enumerate(metrics[31:], start=31)]
-  assert got == want
-  assert any(want)
-
-
-def test_should_stop_only_when_configured():
-  e = [controls.Event("kl_alarm", 3, "m")]
-  assert not controls.StabilityMonitor(controls.MonitorConfig()).should_stop(e)
-  stop = controls.StabilityMonitor(controls.MonitorConfig(stop_on_event=True))
-  assert stop.should_stop(e) and not stop.should_stop([])
+def control_config(**kw):
+  """`config.controls` (every control off) with `kw`."""
+  return controls.ControlConfig(**{**config_lib.base_config("sdar").controls.to_dict(), **kw})
 
 
 # ----------------------------------------------------------------------------- adaptive ε
@@ -225,7 +99,7 @@ def test_drift_threshold_and_lr_brake_follow_the_spec_formulas():
 
 
 def test_step_controls_are_a_no_op_when_off():
-  sc = controls.StepControls(controls.ControlConfig(), epsilon=5.0, total=10)
+  sc = controls.StepControls(control_config(), epsilon=5.0, total=10)
   for i in range(10):
     assert sc.settings(i) == (5.0, 1.0)
     sc.update({"clip_fraction": 0.9, "kl_k3": 9.0})
@@ -233,18 +107,18 @@ def test_step_controls_are_a_no_op_when_off():
 
 
 def test_step_controls_compose_schedule_adaptive_and_drift():
-  cfg = controls.ControlConfig(epsilon_schedule=True, conservative_epsilon=1.0)
+  cfg = control_config(epsilon_schedule=True, conservative_epsilon=1.0)
   sc = controls.StepControls(cfg, epsilon=5.0, total=100)
   assert sc.settings(0)[0] == 1.0 and sc.settings(99)[0] == 5.0  # same formula as the schedule
   # Adaptive ε: a clip fraction far above the band loosens ε after `adaptive_every` steps.
-  cfg = controls.ControlConfig(adaptive_epsilon=True, adaptive_every=2)
+  cfg = control_config(adaptive_epsilon=True, adaptive_every=2)
   sc = controls.StepControls(cfg, epsilon=0.2, total=100)
   for _ in range(2):
     assert sc.settings(0) == (0.2, 1.0)
     sc.update({"clip_fraction": 0.6})
   assert sc.settings(2)[0] > 0.2
   # Drift: KL above the threshold brakes the rate and tightens ε by the formulas of docs/method.md §8.
-  cfg = controls.ControlConfig(drift=True, drift_threshold=0.5, drift_alpha=0.5, drift_decay=0.0)
+  cfg = control_config(drift=True, drift_threshold=0.5, drift_alpha=0.5, drift_decay=0.0)
   sc = controls.StepControls(cfg, epsilon=4.0, total=100)
   sc.update({"kl_k3": 1.5})
   eps, lr_scale = sc.settings(1)
@@ -252,9 +126,10 @@ def test_step_controls_compose_schedule_adaptive_and_drift():
   again = controls.StepControls(cfg, epsilon=4.0, total=100)
   again.load_state_dict(json.loads(json.dumps(sc.state_dict())))
   assert again.settings(1) == (eps, lr_scale)
+  c = config_lib.base_config("sdar")  # one check of the two ε controls, in the config's
+  c.controls.epsilon_schedule = c.controls.adaptive_epsilon = True
   with pytest.raises(ValueError, match="enable one"):
-    controls.StepControls(controls.ControlConfig(epsilon_schedule=True, adaptive_epsilon=True),
-                          epsilon=1.0, total=10)
+    config_lib.validate(c)
 
 
 def test_config_warnings_on_the_effective_step():

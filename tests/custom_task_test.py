@@ -111,14 +111,14 @@ def test_number_checker_reads_the_gold_fields_last_number():
 
 @pytest.mark.skipif(not GSM8K.is_dir(), reason="shared data absent")
 def test_training_reads_a_jsonl_task_from_local_files(tmp_path):
-  from stabledrl_jax import train
+  from stabledrl_jax import build
   from stabledrl_jax.tasks.tokenizer import CharTokenizer
 
   c = config_lib.base_config("sdar")
   c.task.update(dict(name="jsonl", source="local", source_dir=str(GSM8K), max_prompt_len=1000))
   c.rl.prompts_per_step, c.rl.group_size, c.eval.num_examples = 2, 2, 3
   config_lib.validate(c)
-  data = train.build_data(c, CharTokenizer(), str(tmp_path))
+  data = build.data(c, CharTokenizer(), str(tmp_path))
   first = json.loads((GSM8K / "test.jsonl").read_text().splitlines()[0])
   assert data.test[0] == {"question": first["question"], "answer": first["answer"]}
   batch = next(data.rl)

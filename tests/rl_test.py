@@ -6,7 +6,7 @@ import optax
 import pytest
 from flax import nnx
 
-from stabledrl_jax import likelihood, losses, models, rl, train
+from stabledrl_jax import likelihood, losses, models, rl, sft
 
 V, PROMPT, N = 24, 2, 10
 
@@ -32,7 +32,7 @@ def counting_model():
 
   @nnx.jit
   def step(model, opt, seqs, key):
-    loss_fn = lambda m: rl.sft_loss(m, seqs, key, scheme="random_t", staircase=False, block_size=N)[0]
+    loss_fn = lambda m: sft.sft_loss(m, seqs, key, scheme="random_t", staircase=False, block_size=N)[0]
     opt.update(model, nnx.grad(loss_fn)(model))
 
   rng = np.random.default_rng(0)
@@ -48,7 +48,7 @@ def test_adversarial_mode_stabledrl_stays_in_the_convex_hull_bound_grpo_explodes
   adv = jnp.array([1.0, -1.0, 0.5, -0.5, -1.0, 1.0, -0.3, 0.3])
   obj = rl.Objective(name="stabledrl", group_size=4, scheme="block_random", num_samples=1,
                      block_size=N, adversarial=1.0)
-  batch, _ = train.behaviour_pass(model, None, seqs, adv, jax.random.key(5), obj)
+  batch, _ = rl.behaviour_pass(model, None, seqs, adv, jax.random.key(5), obj)
 
   def grad_norm(loss_fn):
     return float(optax.tree.norm(nnx.grad(loss_fn)(model)))
@@ -61,7 +61,8 @@ def test_adversarial_mode_stabledrl_stays_in_the_convex_hull_bound_grpo_explodes
   easy = batch.adversarial
 
   def elbo_j(m, j):
-    lp = rl.logp(m, seqs, easy.noised_BxMxL, obj)
+    lp = likelihood.masked_logp(m, seqs, easy.noised_BxMxL, staircase=obj.staircase,
+                                block_size=obj.block_size)
     return losses.mc_elbo(lp, easy.weight_BxMxL)[j]
 
   per_sample = [grad_norm(lambda m, j=j: elbo_j(m, j)) for j in range(8)]
@@ -71,7 +72,8 @@ def test_adversarial_mode_stabledrl_stays_in_the_convex_hull_bound_grpo_explodes
 
   # GRPO-style: the same estimated sequence ratio under PPO's conditional clip.
   def grpo(m):
-    lp = rl.logp(m, seqs, easy.noised_BxMxL, obj)
+    lp = likelihood.masked_logp(m, seqs, easy.noised_BxMxL, staircase=obj.staircase,
+                                block_size=obj.block_size)
     elbo_new = losses.mc_elbo(lp, easy.weight_BxMxL)
     elbo_old = losses.mc_elbo(batch.logp_old_BxMxL, batch.weight_old_BxMxL)
     return losses.grpo_clip_loss(elbo_new - elbo_old, adv, epsilon=0.2)[0]
@@ -86,7 +88,7 @@ def test_adversarial_rows_use_hard_old_and_easy_new_masks(counting_model):
   seqs = _counting_batch(np.random.default_rng(2), 8)
   obj = rl.Objective(name="stabledrl", group_size=4, scheme="block_random", num_samples=2,
                      block_size=N, adversarial=0.5)
-  batch, entropy = train.behaviour_pass(counting_model, None, seqs, jnp.zeros(8),
+  batch, entropy = rl.behaviour_pass(counting_model, None, seqs, jnp.zeros(8),
                                         jax.random.key(3), obj)
   rows = np.asarray(batch.adversarial.rows_B)
   assert 0 < rows.sum() < 8
@@ -97,5 +99,5 @@ def test_adversarial_rows_use_hard_old_and_easy_new_masks(counting_model):
     assert hard == rows[b]
   assert 0 < float(entropy) < np.log(V)
   plain = rl.Objective(**{**obj.__dict__, "adversarial": 0.0})
-  assert train.behaviour_pass(counting_model, None, seqs, jnp.zeros(8), jax.random.key(3),
+  assert rl.behaviour_pass(counting_model, None, seqs, jnp.zeros(8), jax.random.key(3),
                               plain)[0].adversarial is None

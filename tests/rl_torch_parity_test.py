@@ -17,7 +17,7 @@ import optax
 import pytest
 from flax import nnx
 
-from stabledrl_jax import likelihood, losses, models, rl, train
+from stabledrl_jax import config_lib, likelihood, losses, models, optim, rl, sft, train
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
@@ -65,7 +65,7 @@ def _seqs(seed):
 
 
 _behaviour = nnx.jit(rl.behaviour_logp, static_argnames="obj")  # jitted: eager is slower
-_draw = jax.jit(rl.draw_masks, static_argnames="obj")
+_draw = jax.jit(rl._draw_masks, static_argnames="obj")
 
 
 def _named(m):
@@ -89,7 +89,7 @@ def _project_step(model, loss_fn, grad_clip):
   grads = jax.jit(jax.grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest))))(params)
   o = ml_collections.ConfigDict(dict(b1=B1, b2=B2, weight_decay=WD, grad_clip=grad_clip,
                                      decay_steps=0))
-  tx = train.make_optimizer(LR, 0, 100, o)
+  tx = optim.make_optimizer(LR, 0, 100, o)
 
   @jax.jit
   def step(grads, params):
@@ -255,9 +255,10 @@ def test_one_rl_update_matches_torch_autograd(family):
   rewards = np.random.default_rng(3).integers(0, 2, size=B).astype(np.float64)
   rewards[:G] = [1, 0, 0, 1]  # both groups carry signal
   adv = losses.group_advantages(jnp.asarray(rewards, jnp.float32), group_size=G)
-  base = rl.Objective(group_size=G, scheme="block_random" if family == "llada" else "block_t",
-                      num_samples=2, p_mask_prompt=0.5 if family == "llada" else 0.0,
-                      block_size=BS, staircase=family == "sdar")
+  base = dataclasses.replace(  # the default config's objective, then this test's shapes
+      config_lib.settings(config_lib.base_config("sdar")).objective, group_size=G,
+      scheme="block_random" if family == "llada" else "block_t", num_samples=2,
+      p_mask_prompt=0.5 if family == "llada" else 0.0, block_size=BS, staircase=family == "sdar")
   objectives = {
       "stabledrl": dataclasses.replace(base, name="stabledrl", epsilon=0.02),
       "stabledrl_spg": dataclasses.replace(base, name="stabledrl_spg", coupling="independent",
@@ -311,5 +312,5 @@ def test_one_sft_step_matches_torch_autograd(family, scheme):
     return -(_t(masks.weight_BxMxL) * lp).sum(-1).mean(-1).mean()
 
   _check_step(_named(model), t_loss, lambda clip: _project_step(
-      model, lambda m: rl.sft_loss(m, seqs, key, scheme=scheme, staircase=staircase,
-                                   block_size=BS)[0], clip))
+      model, lambda m: sft.sft_loss(m, seqs, key, scheme=scheme, staircase=staircase,
+                                    block_size=BS)[0], clip))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from stabledrl_jax import models, samplers
+from stabledrl_jax import config_lib, models, samplers
 
 MASK = 127
 
@@ -276,12 +276,12 @@ def test_config_keys_reach_rollouts_only_and_bad_values_are_named():
   c = config_lib.base_config("llada")
   c.sampler.cache, c.sampler.threshold = "dual", 0.9
   config_lib.validate(c)
-  roll = train.sampling_settings(c, 0.7)
+  roll = config_lib.sampling(c, 0.7)
   assert (roll.cache, roll.threshold) == ("dual", 0.9)
-  evaluation = train.sampling_settings(c, 0.0, rollout=False)
+  evaluation = config_lib.sampling(c, 0.0, rollout=False)
   assert (evaluation.cache, evaluation.threshold) == ("none", None)
   c.sampler.threshold = 0.0
-  assert train.sampling_settings(c, 0.7).threshold is None  # 0 = off
+  assert config_lib.sampling(c, 0.7).threshold is None  # 0 = off
   for key, value in (("cache", "bogus"), ("threshold", 1.5)):
     c = config_lib.base_config("llada")
     c.sampler[key] = value

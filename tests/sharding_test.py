@@ -8,7 +8,7 @@ import optax
 import pytest
 from flax import nnx
 
-from stabledrl_jax import config_lib, likelihood, models, rl, sharding, train
+from stabledrl_jax import build, config_lib, likelihood, models, optim, rl, sharding, train
 
 
 def test_mesh_shape_resolves_minus_one_and_names_bad_axes():
@@ -67,29 +67,29 @@ def test_rollouts_on_another_mesh_decode_the_same_and_come_back_on_the_training_
   c = config_lib.base_config("sdar")
   config_lib.apply_preset(c, "smoke")
   c.rollout_mesh.data, c.rollout_mesh.fsdp, c.rollout_mesh.tensor = 1, 1, -1
-  mesh = train.build_mesh(c)  # data=8
-  decode_mesh = train.build_rollout_mesh(c, mesh)
+  mesh = build.mesh(c)  # data=8
+  decode_mesh = build.rollout_mesh(c, mesh)
   assert dict(decode_mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 8}
-  tok = train.build_tokenizer(c)
-  model = train.build_model(c, tok, mesh)
+  tok = build.tokenizer(c)
+  model = build.model(c, tok, mesh)
   rng = np.random.default_rng(0)
   ids = rng.integers(5, tok.vocab_size, size=(8, 6)).astype(np.int32)
-  sampling = train.sampling_settings(c, temperature=1.0)
-  plain = train.generate(model, ids, np.ones_like(ids, bool), jax.random.key(3), sampling)
-  other = train.generate(model, ids, np.ones_like(ids, bool), jax.random.key(3), sampling,
+  sampling = config_lib.sampling(c, temperature=1.0)
+  plain = rl.generate(model, ids, np.ones_like(ids, bool), jax.random.key(3), sampling)
+  other = rl.generate(model, ids, np.ones_like(ids, bool), jax.random.key(3), sampling,
                          rollout_mesh=decode_mesh)
   np.testing.assert_array_equal(other.tokens_BxL, plain.tokens_BxL)
   assert other.tokens_BxL.sharding.mesh == mesh
   assert sharding.model_mesh(model) is mesh  # the model itself stays where it was
   c.rollout_mesh.tensor = 0
   with pytest.raises(ValueError, match=r"config.rollout_mesh=.*give every axis a size"):
-    train.build_rollout_mesh(c, mesh)
+    build.rollout_mesh(c, mesh)
 
 
 def _tiny_setup():
   c = config_lib.base_config("sdar")  # the tiny preset's model
-  tok = train.build_tokenizer(c)
-  model = train.build_model(c, tok)  # one device
+  tok = build.tokenizer(c)
+  model = build.model(c, tok)  # one device
   rng = np.random.default_rng(0)
   b, p, g = 16, 8, c.sampler.gen_length
   prompts = jnp.asarray(rng.integers(5, tok.vocab_size, size=(b, p)), jnp.int32)
@@ -110,8 +110,8 @@ def _one_step(c, model, seqs, adv, mesh):
   opt = nnx.Optimizer(model, optax.chain(optax.sgd(1.0)), wrt=nnx.Param)
   obj = rl.Objective(group_size=8, scheme="block_t", num_samples=2, block_size=c.model.block_size,
                      staircase=True)
-  batch, _ = train.behaviour_pass(model, None, seqs, adv, jax.random.key(1), obj)
-  out = train.rl_step(model, opt, batch, jax.random.key(2), obj=obj, accumulation=2)
+  batch, _ = rl.behaviour_pass(model, None, seqs, adv, jax.random.key(1), obj)
+  out = rl.update(model, opt, batch, jax.random.key(2), obj=obj, accumulation=2)
   params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   elbo_old = float(jnp.sum(batch.logp_old_BxMxL * batch.weight_old_BxMxL))
   return elbo_old, float(out["loss"]), float(out["grad_norm"]), params

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from stabledrl_jax import config_lib, likelihood, models, rl, train
-from stabledrl_jax.tasks import sudoku
+from stabledrl_jax import build, config_lib, likelihood, models, optim, rl, sft, train
+from stabledrl_jax.tasks import get_task, sudoku
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TIMING = {"tokens_per_s", "tokens_per_s_per_device", "tflops_per_s_per_device", "mfu"}  # wall-clock dependent
@@ -110,14 +110,14 @@ def _tiny_rl_setup():
   config_lib.apply_preset(cfg, "smoke")
   model = models.create(models.tiny(vocab_size=40, mask_token_id=3, eos_token_id=2, pad_token_id=0,
                                     stop_token_ids=(2,)), seed=0)
-  opt = nnx.Optimizer(model, train.make_optimizer(1e-2, 0, 10, cfg.optim), wrt=nnx.Param)
+  opt = nnx.Optimizer(model, optim.make_optimizer(1e-2, 0, 10, cfg.optim), wrt=nnx.Param)
   obj = rl.Objective(group_size=2, scheme="block_t", num_samples=2, block_size=4, staircase=True)
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(4, 40, size=(4, 12)), jnp.int32)
   completion = jnp.broadcast_to(jnp.arange(12) >= 4, (4, 12))
   seqs = likelihood.Sequences(tokens, jnp.broadcast_to(jnp.arange(12), (4, 12)), jnp.ones((4, 12), bool),
                               ~completion, completion, completion)
-  batch, _ = train.behaviour_pass(model, None, seqs, jnp.zeros(4), jax.random.key(1), obj)
+  batch, _ = rl.behaviour_pass(model, None, seqs, jnp.zeros(4), jax.random.key(1), obj)
   return model, opt, obj, batch
 
 
@@ -126,13 +126,13 @@ def test_nan_gradient_skips_the_update_and_is_counted():
   before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   adv = jnp.array([1.0, -1.0, jnp.nan, 0.5])  # a NaN advantage poisons the gradient
   batch = batch._replace(advantages_B=adv)
-  out = train.rl_step(model, opt, batch, jax.random.key(2), obj=obj, accumulation=1)
+  out = rl.update(model, opt, batch, jax.random.key(2), obj=obj, accumulation=1)
   assert bool(out["skipped"]) and not np.isfinite(float(out["grad_norm"]))
   after = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   jax.tree.map(np.testing.assert_array_equal, before, after)
   # ... and a finite step right after does update the parameters.
   batch = batch._replace(advantages_B=jnp.array([1.0, -1.0, 0.5, -0.5]))
-  out = train.rl_step(model, opt, batch, jax.random.key(3), obj=obj, accumulation=2)
+  out = rl.update(model, opt, batch, jax.random.key(3), obj=obj, accumulation=2)
   assert not bool(out["skipped"])
   changed = jax.tree.map(lambda a, b: bool(np.any(a != np.asarray(b))), before,
                          nnx.to_pure_dict(nnx.state(model, nnx.Param)))
@@ -142,11 +142,11 @@ def test_nan_gradient_skips_the_update_and_is_counted():
 def test_coupled_masks_give_unit_ratios_on_the_first_update():
   model, opt, obj, batch = _tiny_rl_setup()
   batch = batch._replace(advantages_B=jnp.array([1.0, -1.0, 0.5, -0.5]))
-  out = train.rl_step(model, opt, batch, jax.random.key(2), obj=obj, accumulation=1)
+  out = rl.update(model, opt, batch, jax.random.key(2), obj=obj, accumulation=1)
   assert float(out["log10_ratio_max"]) == 0.0 and float(out["ess"]) == pytest.approx(2.0)
   assert float(out["clipped_token_fraction"]) == 0.0
   assert abs(float(out["kl_k1"])) < 1e-6 and abs(float(out["kl_k3"])) < 1e-6  # π_θ = π_old
-  out = train.rl_step(model, opt, batch, jax.random.key(3), obj=obj, accumulation=1)
+  out = rl.update(model, opt, batch, jax.random.key(3), obj=obj, accumulation=1)
   assert float(out["kl_k3"]) > 0  # the first update moved the policy
 
 
@@ -157,12 +157,12 @@ def _params(model):
 def test_traced_epsilon_and_lr_scale():
   model, opt, obj, batch = _tiny_rl_setup()
   batch = batch._replace(advantages_B=jnp.array([1.0, -1.0, 0.5, -0.5]))
-  train.rl_step(model, opt, batch, jax.random.key(2), obj=obj, accumulation=1)  # ratios leave 1
+  rl.update(model, opt, batch, jax.random.key(2), obj=obj, accumulation=1)  # ratios leave 1
   # A traced ε gives what the same ε as a static setting gives.
   static = rl.Objective(**{**obj.__dict__, "epsilon": 0.0})
   for o, eps in ((static, None), (obj, jnp.float32(0.0))):
     m, s = train.copy_module(model), train.copy_module(opt)
-    out = train.rl_step(m, s, batch, jax.random.key(3), eps, obj=o, accumulation=1)
+    out = rl.update(m, s, batch, jax.random.key(3), eps, obj=o, accumulation=1)
     assert float(out["clip_fraction"]) == 1.0 and float(out["clipped_token_fraction"]) == 1.0
     if eps is None:
       want = _params(m)
@@ -173,7 +173,7 @@ def test_traced_epsilon_and_lr_scale():
   deltas = {}
   for scale in (1.0, 0.5, 0.0):
     m, s = train.copy_module(model), train.copy_module(opt)
-    train.rl_step(m, s, batch, jax.random.key(3), None, jnp.float32(scale), obj=obj, accumulation=1)
+    rl.update(m, s, batch, jax.random.key(3), None, jnp.float32(scale), obj=obj, accumulation=1)
     deltas[scale] = jax.tree.map(lambda a, b: b - a, start, _params(m))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, 0.5 * b, atol=1e-7), deltas[0.5], deltas[1.0])
   jax.tree.map(lambda a: np.testing.assert_array_equal(a, 0.0), deltas[0.0])
@@ -202,7 +202,7 @@ def test_a_stability_event_stops_the_run_and_keeps_its_checkpoint(tmp_path):
                  "--config.stability.stop_on_event=True", "--config.stability.repetition=False",
                  "--config.stability.zero_advantage=False")
   assert out.returncode == 0, out.stderr[-3000:]
-  assert "troubleshooting row 'kl_alarm'" in out.stdout and "stopped after step 9/12" in out.stdout
+  assert "troubleshooting row 'kl_alarm'" in out.stdout and "stopped after step 8/12" in out.stdout
   rows = read_jsonl(tmp_path / "metrics.jsonl")
   assert [r["step"] for r in rows] == list(range(9)) and rows[-1]["events"] == ["kl_alarm"]
   assert "EVENT kl_alarm" in out.stdout
@@ -272,7 +272,7 @@ def test_sft_puzzles_can_be_easier_than_rl_and_evaluation_puzzles(tmp_path):
   c = config_lib.base_config("sdar")
   c.task.num_train, c.task.num_test, c.sft.batch_size, c.rl.prompts_per_step = 64, 16, 32, 32
   c.task.sft_blanks, c.task.blanks, c.eval.num_examples = 6, 11, 16
-  data = train.build_data(c, train.build_tokenizer(c), str(tmp_path))
+  data = build.data(c, build.tokenizer(c), str(tmp_path))
   train_grids, test_grids = set(sudoku.split_solutions("train")), set(sudoku.split_solutions("test"))
   sft = [ex for _ in range(2) for ex in next(data.sft)["examples"]]
   rl_examples = [ex for _ in range(2) for ex in next(data.rl)["examples"]]
@@ -289,21 +289,21 @@ def test_sft_puzzles_can_be_easier_than_rl_and_evaluation_puzzles(tmp_path):
 
 def test_weaker_demonstrator_targets_depend_only_on_seed_step_and_global_row():
   c = config_lib.base_config("sdar")
-  task = train.get_task("sudoku")
+  task = get_task("sudoku")
   examples = [sudoku.generate(0, i, blanks=8) for i in range(8)]
-  full = train.sft_targets(c, task, examples, 3, 0)
+  full = sft.targets(c, task, examples, 3, 0)
   # Two processes holding rows [0, 4) and [4, 8) build the same targets as one process.
-  assert full == (train.sft_targets(c, task, examples[:4], 3, 0)
-                  + train.sft_targets(c, task, examples[4:], 3, 4))
-  assert full != train.sft_targets(c, task, examples, 4, 0)
+  assert full == (sft.targets(c, task, examples[:4], 3, 0)
+                  + sft.targets(c, task, examples[4:], 3, 4))
+  assert full != sft.targets(c, task, examples, 4, 0)
   answers = [t[len("<answer>"):-len("</answer>")] for t in full]
   assert all(a[i] in ("0", ex["solution"][i]) for a, ex in zip(answers, examples) for i in range(16))
   assert 0 < sum(a.count("0") for a in answers) < sum(ex["puzzle"].count("0") for ex in examples)
   references = [f"<answer>{ex['solution']}</answer>" for ex in examples]
   c.task.sft_unfilled = 0.0
-  assert train.sft_targets(c, task, examples, 3, 0) == references
+  assert sft.targets(c, task, examples, 3, 0) == references
   c.task.sft_unfilled, c.task.name = 0.5, "countdown"  # other tasks ignore it, like task.blanks
-  assert train.sft_targets(c, task, examples, 3, 0) == references
+  assert sft.targets(c, task, examples, 3, 0) == references
   for value in (1.0, -0.1):
     c.task.sft_unfilled, c.task.name = value, "sudoku"
     with pytest.raises(ValueError, match="config.task.sft_unfilled="):

@@ -1,0 +1,122 @@
+"""What a run is built from: tokenizer, device meshes, model and this process's data iterators,
+each from the config (`train.run` calls them once, before anything is trained or written).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import ml_collections
+from flax import nnx
+from jax.experimental import multihost_utils
+
+from stabledrl_jax import distributed, models, sharding, tasks
+from stabledrl_jax.tasks import datasets, pipeline
+from stabledrl_jax.tasks.tokenizer import CharTokenizer, HFTokenizer
+
+
+def tokenizer(c: ml_collections.ConfigDict):
+  if c.model.tokenizer == "char":
+    return CharTokenizer()
+  return HFTokenizer(c.model.tokenizer if os.path.isdir(c.model.tokenizer) else c.model.checkpoint)
+
+
+def mesh(c: ml_collections.ConfigDict):
+  """The device mesh of `config.mesh` (`data`, `fsdp`, `tensor`; -1 = the rest)."""
+  try:
+    return sharding.make_mesh(c.mesh.to_dict())
+  except ValueError as e:
+    raise ValueError(f"config.mesh={c.mesh.to_dict()}: {e}") from e
+
+
+def rollout_mesh(c: ml_collections.ConfigDict, mesh):
+  """The mesh of `config.rollout_mesh` over `mesh`'s devices, or None (roll out on `mesh`)."""
+  sizes = c.rollout_mesh.to_dict()
+  if not any(sizes.values()):
+    return None
+  if not all(sizes.values()):
+    raise ValueError(f"config.rollout_mesh={sizes}: give every axis a size (-1 for the rest), "
+                     "or leave all 0 to roll out on the training mesh")
+  try:
+    return sharding.make_mesh(sizes, mesh.devices.flat)
+  except ValueError as e:
+    raise ValueError(f"config.rollout_mesh={sizes}: {e}") from e
+
+
+def model(c: ml_collections.ConfigDict, tokenizer, mesh=None) -> nnx.Module:
+  """A random tiny model sized by the config, or a pretrained checkpoint, sharded on `mesh`."""
+  if c.model.checkpoint:
+    model, _ = models.load_pretrained(c.model.checkpoint, dtype=c.model.compute_dtype,
+                                      mesh=mesh if mesh is not None and mesh.size > 1 else None)
+    return model
+  sdar = c.family == "sdar"
+  cfg = models.preset(
+      c.model.preset, family=c.family, model_type=c.family, vocab_size=tokenizer.vocab_size,
+      d_model=c.model.d_model, n_layers=c.model.n_layers, n_heads=c.model.n_heads,
+      n_kv_heads=c.model.n_kv_heads, head_dim=c.model.d_model // c.model.n_heads,
+      mlp_dim=c.model.mlp_dim, qk_norm=sdar, mask_token_id=tokenizer.mask_id,
+      eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
+      stop_token_ids=(tokenizer.eos_id,), block_size=c.model.block_size if sdar else None,
+      compute_dtype=c.model.compute_dtype, remat=c.model.remat)
+  if mesh is not None and mesh.size > 1:
+    return sharding.create_model(cfg, c.seed, mesh)
+  return models.create(cfg, seed=c.seed)
+
+
+@dataclasses.dataclass
+class Data:
+  task: Any
+  tokenizer: Any
+  sft: Any        # grain iterators (checkpointed) of this process's rows of each global batch
+  rl: Any
+  test: list      # held-out examples (all of them, on every process)
+  reward_fn: Any
+  sft_rows: tuple[int, int]  # this process's rows [start, stop) of an SFT batch
+  rl_rows: tuple[int, int]   # ... of the RL prompts of a step (each repeated group_size times)
+
+
+def process_rows(c: ml_collections.ConfigDict, mesh) -> tuple[tuple[int, int], tuple[int, int]]:
+  """This process's rows of an SFT batch and of an RL step's prompts (whole groups)."""
+  group = c.rl.group_size
+  lo, hi = sharding.process_rows(mesh, c.rl.prompts_per_step * group)
+  if lo % group or hi % group:
+    raise ValueError(f"rl.prompts_per_step={c.rl.prompts_per_step}: process {jax.process_index()} "
+                     f"holds rollouts [{lo}, {hi}), which splits a group of rl.group_size={group}; "
+                     "make rl.prompts_per_step a multiple of the number of processes")
+  return sharding.process_rows(mesh, c.sft.batch_size), (lo // group, hi // group)
+
+
+def data(c: ml_collections.ConfigDict, tokenizer, workdir: str, mesh=None) -> Data:
+  """Tasks and this process's data iterators (`mesh`: the run's, which decides the rows)."""
+  sft_rows, rl_rows = process_rows(c, mesh)
+  task = tasks.from_config(c.task)
+  reward_fn = task.reward_fn(dict(c.task.reward_weights))
+  kwargs: dict[str, Any] = dict(data_dir=c.task.data_dir or os.path.join(workdir, "data"),
+                                source=c.task.source)
+  if c.task.source == "local":
+    kwargs["source_dir"] = c.task.source_dir
+  elif c.task.source == "generated":
+    kwargs.update(num_train=c.task.num_train, num_test=c.task.num_test, seed=c.seed)
+  sft_kwargs = dict(kwargs)
+  if c.task.source == "generated" and c.task.name == "sudoku":
+    kwargs["blanks"] = c.task.blanks
+    sft_kwargs["blanks"] = c.task.sft_blanks or c.task.blanks
+  # Process 0 prepares the on-disk data (a shared workdir must not be written by all at once).
+  several = jax.process_count() > 1
+  if several and not distributed.is_main():
+    multihost_utils.sync_global_devices("stabledrl_jax: data prepared")
+  train = datasets.load_source(task, "train", **kwargs)
+  test = datasets.load_source(task, "test", **kwargs)
+  sft_train = train if sft_kwargs == kwargs else datasets.load_source(task, "train", **sft_kwargs)
+  if several and distributed.is_main():
+    multihost_utils.sync_global_devices("stabledrl_jax: data prepared")
+  common = dict(max_prompt_len=c.task.max_prompt_len, style=c.task.prompt_style, chat=c.task.chat,
+                num_threads=1)
+  sft = iter(pipeline.prompt_batches(task, sft_train, tokenizer, batch_size=c.sft.batch_size,
+                                     seed=c.seed, rows=sft_rows, **common))
+  rl_it = iter(pipeline.prompt_batches(task, train, tokenizer, batch_size=c.rl.prompts_per_step,
+                                       seed=c.seed + 1, rows=rl_rows, **common))
+  return Data(task, tokenizer, sft, rl_it, [test[i] for i in range(min(len(test), c.eval.num_examples))],
+              reward_fn, sft_rows, rl_rows)

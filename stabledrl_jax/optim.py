@@ -1,0 +1,83 @@
+"""The optimiser of each stage: AdamW after global-norm clipping, warmup then linear decay, the
+rate injected (`optax.inject_hyperparams`) so that it is logged every step and the controls can
+scale it, and non-finite updates skipped.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from stabledrl_jax import sharding
+
+
+class _ScaledState(NamedTuple):
+  count: jax.Array
+
+
+class _ScaledSchedule:
+  """`schedule(count) · lr_scale`, `lr_scale` the traced factor passed to `update` (default 1:
+  the drift brake's), as a stateful schedule of `inject_hyperparams`, so the rate in the optimiser
+  state is the one applied."""
+
+  def __init__(self, schedule: optax.Schedule):
+    self.schedule = schedule
+
+  def init(self) -> _ScaledState:
+    return _ScaledState(jnp.zeros([], jnp.int32))
+
+  def update(self, state: _ScaledState, **extra_args) -> _ScaledState:
+    del extra_args
+    return _ScaledState(optax.safe_increment(state.count))
+
+  def __call__(self, state: _ScaledState, *, lr_scale=1.0, **extra_args):
+    del extra_args
+    lr = self.schedule(state.count)
+    return lr * jnp.asarray(lr_scale, lr.dtype)
+
+
+def make_optimizer(lr: float, warmup: int, total: int, o) -> optax.GradientTransformation:
+  """AdamW after global-norm clipping, warmup then linear decay to 0 over `o.decay_steps` (0: the
+  rest of the stage); `o` is `config.optim`. `update(..., lr_scale=s)` scales the rate by `s`."""
+  decay = optax.linear_schedule(lr, 0.0, o.decay_steps or max(total - warmup, 1))
+  schedule = decay if not warmup else optax.join_schedules(
+      [optax.linear_schedule(0.0, lr, warmup), decay], [warmup])
+
+  def adamw(learning_rate):
+    return optax.chain(optax.clip_by_global_norm(o.grad_clip),
+                       optax.adamw(learning_rate, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay))
+
+  inner = optax.inject_hyperparams(adamw)(learning_rate=_ScaledSchedule(schedule))
+  # The parameters and moments stay as they were when a gradient is not finite.
+  return optax.apply_if_finite(inner, max_consecutive_errors=1_000_000)
+
+
+def stage_optimizer(model, c, stage: str) -> nnx.Optimizer:
+  """A fresh optimiser for `stage` ("sft" or "rl") of the run configured by `c`."""
+  if stage == "sft":
+    tx = make_optimizer(c.sft.lr, c.sft.warmup_steps, c.sft.steps, c.optim)
+  else:
+    tx = make_optimizer(c.rl.lr, c.rl.warmup_steps, c.rl.steps * c.rl.updates_per_batch, c.optim)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  sharding.replicate_rest(optimizer, sharding.model_mesh(model))
+  return optimizer
+
+
+def learning_rate(optimizer: nnx.Optimizer) -> jax.Array:
+  """The rate of the optimiser's last update (0 before the first; unchanged by a skipped one)."""
+  lr = optimizer.opt_state.inner_state.hyperparams["learning_rate"]
+  return getattr(lr, "value", lr)
+
+
+def all_finite(tree) -> jax.Array:
+  return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def apply(model, optimizer: nnx.Optimizer, grads, **extra_args) -> dict[str, jax.Array]:
+  """One optimiser update; the step's `grad_norm`, `skipped` (non-finite gradient) and `lr`."""
+  optimizer.update(model, grads, **extra_args)
+  return {"grad_norm": optax.tree.norm(grads), "skipped": ~all_finite(grads),
+          "lr": learning_rate(optimizer)}
