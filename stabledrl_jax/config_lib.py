@@ -14,8 +14,9 @@ from typing import Any, NamedTuple
 
 import ml_collections
 
+from stabledrl_jax.estimators import SCHEMES
+
 OBJECTIVES = ("stabledrl", "stabledrl_spg", "grpo", "espo", "spg", "wd1", "spg_is")
-SCHEMES = ("random_t", "stratified_l", "block_random", "mean_field", "block_t")
 TASKS = ("countdown", "sudoku", "gsm8k", "math500", "jsonl")  # or an import path pkg.mod:TASK
 
 

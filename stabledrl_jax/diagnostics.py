@@ -18,26 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The masked means and group reshapes of the losses, so both count rows and groups alike.
+from stabledrl_jax.losses import _grouped, _masked_mean
+from stabledrl_jax.losses import _valid_or_ones as _mask_or_ones
+
 Array = jax.Array
-
-
-def _masked_mean(x: Array, mask: Array) -> Array:
-  mask = mask.astype(jnp.float32)
-  return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-
-
-def _grouped(x_B: Array, group_size: int) -> Array:
-  if x_B.ndim != 1 or group_size < 1 or x_B.shape[0] % group_size:
-    raise ValueError(f"expected a [B] array of whole groups of {group_size}, got {x_B.shape}")
-  return x_B.reshape(-1, group_size)
-
-
-def _mask_or_ones(mask: Array | None, like: Array) -> Array:
-  if mask is None:
-    return jnp.ones(like.shape, bool)
-  if mask.shape != like.shape:
-    raise ValueError(f"mask has shape {mask.shape}, expected {like.shape}")
-  return mask.astype(bool)
 
 
 # ----------------------------------------------------------------------------- token entropy

@@ -69,7 +69,7 @@ def stage_optimizer(model, c, stage: str) -> nnx.Optimizer:
 def learning_rate(optimizer: nnx.Optimizer) -> jax.Array:
   """The rate of the optimiser's last update (0 before the first; unchanged by a skipped one)."""
   lr = optimizer.opt_state.inner_state.hyperparams["learning_rate"]
-  return getattr(lr, "value", lr)
+  return lr[...] if isinstance(lr, nnx.Variable) else lr
 
 
 def all_finite(tree) -> jax.Array:

@@ -143,7 +143,11 @@ def test_coupled_masks_give_unit_ratios_on_the_first_update():
   model, opt, obj, batch = _tiny_rl_setup()
   batch = batch._replace(advantages_B=jnp.array([1.0, -1.0, 0.5, -0.5]))
   out = rl.update(model, opt, batch, jax.random.key(2), obj=obj, accumulation=1)
-  assert float(out["log10_ratio_max"]) == 0.0 and float(out["ess"]) == pytest.approx(2.0)
+  # π_θ = π_old, so every ratio is 1 up to float32 rounding: the behaviour pass and the update are
+  # different XLA programs (the update's forward is fused with its backward and rematerialised
+  # under jax.checkpoint), whose per-token log-probs differ by a few ulp (4.8e-7 measured on CPU,
+  # which made the ratio 1 + 2.4e-7 before this tolerance), never bitwise-equal by contract.
+  assert abs(float(out["log10_ratio_max"])) < 1e-6 and float(out["ess"]) == pytest.approx(2.0)
   assert float(out["clipped_token_fraction"]) == 0.0
   assert abs(float(out["kl_k1"])) < 1e-6 and abs(float(out["kl_k3"])) < 1e-6  # π_θ = π_old
   out = rl.update(model, opt, batch, jax.random.key(3), obj=obj, accumulation=1)
