@@ -14,6 +14,7 @@ same batch. FLOPs are analytic (`stabledrl_jax.flops`); MFU = FLOPs / time / mea
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -26,7 +27,7 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from stabledrl_jax import flops, likelihood, models, optim, rl, samplers  # noqa: E402
+from stabledrl_jax import config_lib, flops, likelihood, models, optim, rl, samplers  # noqa: E402
 
 
 def best_seconds(fn, runs: int) -> float:
@@ -62,11 +63,12 @@ def measure(args) -> list[tuple[str, ...]]:
   t_sample = best_seconds(lambda: samplers.sdar_generate(model, prompts, valid, jax.random.key(0),
                                                           sampling).tokens_BxL, args.runs)
 
-  optim = ml_collections.ConfigDict(dict(grad_clip=1.0, b1=0.9, b2=0.99, weight_decay=0.0,
-                                         decay_steps=0))
-  opt = nnx.Optimizer(model, optim.make_optimizer(1e-6, 0, 1000, optim), wrt=nnx.Param)
-  obj = rl.Objective(group_size=args.group, scheme="block_t", num_samples=args.samples,
-                     block_size=cfg.block_size, staircase=True)
+  optim_config = ml_collections.ConfigDict(dict(grad_clip=1.0, b1=0.9, b2=0.99, weight_decay=0.0,
+                                                decay_steps=0))
+  opt = nnx.Optimizer(model, optim.make_optimizer(1e-6, 0, 1000, optim_config), wrt=nnx.Param)
+  obj = dataclasses.replace(config_lib.settings(config_lib.base_config("sdar")).objective,
+                            group_size=args.group, scheme="block_t", num_samples=args.samples,
+                            block_size=cfg.block_size, staircase=True)
   seqs = likelihood.from_rollout(rollout)
   adv = jnp.asarray(rng.normal(size=b), jnp.float32)
   batch, _ = rl.behaviour_pass(model, None, seqs, adv, jax.random.key(1), obj)

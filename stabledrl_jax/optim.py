@@ -50,7 +50,9 @@ def make_optimizer(lr: float, warmup: int, total: int, o) -> optax.GradientTrans
     return optax.chain(optax.clip_by_global_norm(o.grad_clip),
                        optax.adamw(learning_rate, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay))
 
-  inner = optax.inject_hyperparams(adamw)(learning_rate=_ScaledSchedule(schedule))
+  # float32 rates whatever the parameters (and abstract parameters need no dtype look-up).
+  inner = optax.inject_hyperparams(adamw, hyperparam_dtype=jnp.float32)(
+      learning_rate=_ScaledSchedule(schedule))
   # The parameters and moments stay as they were when a gradient is not finite.
   return optax.apply_if_finite(inner, max_consecutive_errors=1_000_000)
 
@@ -66,9 +68,13 @@ def stage_optimizer(model, c, stage: str) -> nnx.Optimizer:
   return optimizer
 
 
-def learning_rate(optimizer: nnx.Optimizer) -> jax.Array:
-  """The rate of the optimiser's last update (0 before the first; unchanged by a skipped one)."""
-  lr = optimizer.opt_state.inner_state.hyperparams["learning_rate"]
+def learning_rate(optimizer: nnx.Optimizer) -> jax.Array | None:
+  """The rate of the last update of a `make_optimizer` optimiser (0 before the first; unchanged by
+  a skipped one); None for another optax transformation."""
+  hyperparams = getattr(getattr(optimizer.opt_state, "inner_state", None), "hyperparams", None)
+  if hyperparams is None:
+    return None
+  lr = hyperparams["learning_rate"]
   return lr[...] if isinstance(lr, nnx.Variable) else lr
 
 
@@ -77,7 +83,9 @@ def all_finite(tree) -> jax.Array:
 
 
 def apply(model, optimizer: nnx.Optimizer, grads, **extra_args) -> dict[str, jax.Array]:
-  """One optimiser update; the step's `grad_norm`, `skipped` (non-finite gradient) and `lr`."""
+  """One optimiser update; the step's `grad_norm`, `skipped` (non-finite gradient) and `lr` (the
+  rate applied, where `learning_rate` knows it)."""
   optimizer.update(model, grads, **extra_args)
-  return {"grad_norm": optax.tree.norm(grads), "skipped": ~all_finite(grads),
-          "lr": learning_rate(optimizer)}
+  out = {"grad_norm": optax.tree.norm(grads), "skipped": ~all_finite(grads)}
+  lr = learning_rate(optimizer)
+  return out if lr is None else {**out, "lr": lr}

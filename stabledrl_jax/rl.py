@@ -30,23 +30,24 @@ Array = jax.Array
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-  """Static settings of the policy objective (hashable: part of the jitted step's signature)."""
-  name: str = "stabledrl"
-  group_size: int = 8
-  scheme: str = "block_random"
-  num_samples: int = 2
-  p_mask_prompt: float = 0.0
-  block_size: int = 32
-  staircase: bool = False
-  coupling: str = "coupled"
-  epsilon: float = 5.0
-  max_ratio: float | None = None
-  ppo_epsilon: float = 0.5
-  epsilon_high: float | None = None  # GRPO's upper clip (None: ppo_epsilon)
-  kl_coef: float = 0.0
-  spg_omega: float = 0.5
-  spg_beta: float = 1.5
-  adversarial: float = 0.0  # > 0: docs/method.md §8's ratio explosion on this fraction of the rollouts
+  """`config.rl` as the objective's static settings (`config_lib.settings`; the defaults live
+  there). Hashable: part of the compiled step's signature."""
+  name: str
+  group_size: int           # G
+  scheme: str               # estimators.SCHEMES
+  num_samples: int          # M
+  p_mask_prompt: float
+  block_size: int           # config_lib.block_size
+  staircase: bool           # SDAR's block-causal likelihood
+  coupling: str             # "coupled" or "independent" old/new masks
+  epsilon: float
+  max_ratio: float | None
+  ppo_epsilon: float
+  epsilon_high: float | None  # GRPO's upper clip (None: ppo_epsilon)
+  kl_coef: float
+  spg_omega: float
+  spg_beta: float
+  adversarial: float        # > 0: docs/method.md §8's ratio explosion on this fraction of the rollouts
 
 
 class Adversarial(NamedTuple):

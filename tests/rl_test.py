@@ -1,4 +1,5 @@
 """Tests for stabledrl_jax.rl on a real (tiny, briefly trained) model: the adversarial mode."""
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,9 +7,14 @@ import optax
 import pytest
 from flax import nnx
 
-from stabledrl_jax import likelihood, losses, models, rl, sft
+from stabledrl_jax import config_lib, likelihood, losses, models, rl, sft
 
 V, PROMPT, N = 24, 2, 10
+
+
+def objective(**changes) -> rl.Objective:
+  """The default config's objective (`config_lib.settings`) with `changes`."""
+  return dataclasses.replace(config_lib.settings(config_lib.base_config("sdar")).objective, **changes)
 
 
 def _counting_batch(rng, b):
@@ -46,8 +52,8 @@ def test_adversarial_mode_stabledrl_stays_in_the_convex_hull_bound_grpo_explodes
   model = counting_model
   seqs = _counting_batch(np.random.default_rng(1), 8)
   adv = jnp.array([1.0, -1.0, 0.5, -0.5, -1.0, 1.0, -0.3, 0.3])
-  obj = rl.Objective(name="stabledrl", group_size=4, scheme="block_random", num_samples=1,
-                     block_size=N, adversarial=1.0)
+  obj = objective(name="stabledrl", group_size=4, scheme="block_random", num_samples=1,
+                  block_size=N, staircase=False, adversarial=1.0)
   batch, _ = rl.behaviour_pass(model, None, seqs, adv, jax.random.key(5), obj)
 
   def grad_norm(loss_fn):
@@ -86,8 +92,8 @@ def test_adversarial_mode_stabledrl_stays_in_the_convex_hull_bound_grpo_explodes
 
 def test_adversarial_rows_use_hard_old_and_easy_new_masks(counting_model):
   seqs = _counting_batch(np.random.default_rng(2), 8)
-  obj = rl.Objective(name="stabledrl", group_size=4, scheme="block_random", num_samples=2,
-                     block_size=N, adversarial=0.5)
+  obj = objective(name="stabledrl", group_size=4, scheme="block_random", num_samples=2,
+                  block_size=N, staircase=False, adversarial=0.5)
   batch, entropy = rl.behaviour_pass(counting_model, None, seqs, jnp.zeros(8),
                                         jax.random.key(3), obj)
   rows = np.asarray(batch.adversarial.rows_B)

@@ -1,6 +1,7 @@
 """Tests for stabledrl_jax.sharding on the 8 fake CPU devices of conftest: meshes, parameter
 placement, and one RL training step (behaviour pass, then the update) that gives the same numbers
 on every mesh as on one device."""
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +9,12 @@ import optax
 import pytest
 from flax import nnx
 
-from stabledrl_jax import build, config_lib, likelihood, models, optim, rl, sharding, train
+from stabledrl_jax import build, config_lib, likelihood, models, rl, sharding, train
+
+
+def objective(**changes) -> rl.Objective:
+  """The default config's objective (`config_lib.settings`) with `changes`."""
+  return dataclasses.replace(config_lib.settings(config_lib.base_config("sdar")).objective, **changes)
 
 
 def test_mesh_shape_resolves_minus_one_and_names_bad_axes():
@@ -108,7 +114,7 @@ def _one_step(c, model, seqs, adv, mesh):
   # Plain SGD: the update is linear in the gradient, so parameters compare to float tolerance
   # (Adam's first step, g/|g|, would turn rounding in near-zero gradients into whole steps).
   opt = nnx.Optimizer(model, optax.chain(optax.sgd(1.0)), wrt=nnx.Param)
-  obj = rl.Objective(group_size=8, scheme="block_t", num_samples=2, block_size=c.model.block_size,
+  obj = objective(group_size=8, scheme="block_t", num_samples=2, block_size=c.model.block_size,
                      staircase=True)
   batch, _ = rl.behaviour_pass(model, None, seqs, adv, jax.random.key(1), obj)
   out = rl.update(model, opt, batch, jax.random.key(2), obj=obj, accumulation=2)

@@ -1,4 +1,5 @@
 """The trainer through its real entry point: smoke runs, kill -9 and resume, NaN skipping, bad input."""
+import dataclasses
 import json
 import os
 import pathlib
@@ -21,6 +22,11 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 TIMING = {"tokens_per_s", "tokens_per_s_per_device", "tflops_per_s_per_device", "mfu"}  # wall-clock dependent
 REQUIRED = {"step", "loss", "grad_norm", "tokens_per_s", "skipped_updates"}
 RL_REQUIRED = REQUIRED | {"reward_mean", "clip_fraction", "ess", "log10_ratio_max"}
+
+
+def objective(**changes) -> rl.Objective:
+  """The default config's objective (`config_lib.settings`) with `changes`."""
+  return dataclasses.replace(config_lib.settings(config_lib.base_config("sdar")).objective, **changes)
 
 
 def main_cmd(config, workdir, *overrides):
@@ -111,7 +117,7 @@ def _tiny_rl_setup():
   model = models.create(models.tiny(vocab_size=40, mask_token_id=3, eos_token_id=2, pad_token_id=0,
                                     stop_token_ids=(2,)), seed=0)
   opt = nnx.Optimizer(model, optim.make_optimizer(1e-2, 0, 10, cfg.optim), wrt=nnx.Param)
-  obj = rl.Objective(group_size=2, scheme="block_t", num_samples=2, block_size=4, staircase=True)
+  obj = objective(group_size=2, scheme="block_t", num_samples=2, block_size=4, staircase=True)
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(4, 40, size=(4, 12)), jnp.int32)
   completion = jnp.broadcast_to(jnp.arange(12) >= 4, (4, 12))
