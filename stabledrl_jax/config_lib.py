@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import ml_collections
 
 from stabledrl_jax.estimators import SCHEMES
+from stabledrl_jax.presets import PRESETS, apply_preset, official_gsm8k  # noqa: F401 (the configs' API)
 
 OBJECTIVES = ("stabledrl", "stabledrl_spg", "grpo", "espo", "spg", "wd1", "spg_is")
 TASKS = ("countdown", "sudoku", "gsm8k", "math500", "jsonl")  # or an import path pkg.mod:TASK
@@ -380,68 +381,3 @@ def settings(c: ml_collections.ConfigDict) -> Settings:
   return Settings(objective, sampling(c, c.sampler.temperature), sampling(c, 0.0, rollout=False),
                   detectors.MonitorConfig(**c.stability.to_dict()),
                   controls.ControlConfig(**c.controls.to_dict()), block_size(c), staircase)
-
-
-PRESETS = ("tiny", "smoke", "8b", "8b_official")
-
-
-def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
-  """`tiny` is the default; `smoke` the same path in minutes; `8b` the published settings;
-  `8b_official` the official StableDRL code's GSM8K run (`official_gsm8k`)."""
-  if preset not in PRESETS:
-    raise ValueError(f"unknown config preset {preset!r}: expected one of {PRESETS}")
-  if preset == "smoke":
-    c.model.n_layers, c.model.d_model, c.model.mlp_dim = 2, 64, 128
-    c.task.num_train, c.task.num_test = 256, 32
-    c.sft.steps, c.sft.batch_size = 6, 16
-    c.rl.steps, c.rl.prompts_per_step, c.rl.group_size = 6, 4, 4
-    c.sampler.steps = 5 if c.family == "llada" else 2
-    c.eval.num_examples, c.eval.every = 32, 4
-    c.checkpoint.every = 4
-  elif preset in ("8b", "8b_official"):
-    # docs/method.md §6: the official StableDRL settings (GSM8K), fp32 master weights, bf16 compute.
-    c.model.checkpoint = "/path/to/checkpoint"  # must be overridden
-    c.mesh.data, c.mesh.fsdp = 1, -1  # FSDP over every chip
-    c.model.tokenizer = "checkpoint"
-    c.model.compute_dtype = "bfloat16"
-    c.model.remat = True
-    c.task.name, c.task.source, c.task.source_dir = "gsm8k", "local", ""  # the user's data
-    c.task.prompt_style, c.task.chat, c.task.max_prompt_len = "plain", True, 512
-    c.sft.steps = 0
-    c.rl.steps = 1000
-    c.rl.lr, c.optim.decay_steps, c.optim.grad_clip = 2e-6, 2000, 0.2
-    c.rl.group_size, c.rl.updates_per_batch, c.rl.accumulation = 16, 2, 4
-    c.rl.prompts_per_step = 16
-    c.rl.num_samples = 2
-    c.rl.max_ratio = 5.0  # the official code clips the ratio at 5 from above
-    c.sampler.gen_length, c.sampler.temperature = 256, 0.9
-    c.eval.num_examples, c.eval.every, c.eval.batch_size = 1319, 100, 64
-    c.checkpoint.every, c.log_every = 25, 1
-  if preset == "8b_official":
-    official_gsm8k(c)
-
-
-def official_gsm8k(c: ml_collections.ConfigDict) -> None:
-  """The official StableDRL code's GSM8K training run, line for line (README: `8b` vs `8b_official`).
-
-  Its config sets one prompt per process per micro-batch and 4 micro-batches; its README launches
-  8 processes, so an optimiser step averages 32 groups: 32 prompts here, 4 micro-batches of 8 (one
-  per chip on 8 chips). Rewards: its GSM8K correctness is +1/-1, twice the project's 1/0 plus a
-  constant that the mean-centred advantages cancel.
-  """
-  if c.family != "llada":
-    raise ValueError(f"config preset '8b_official' with family={c.family!r}: the official "
-                     "StableDRL code trains LLaDA only; use configs/llada.py:8b_official")
-  c.seed = 113
-  c.model.compute_dtype, c.model.remat = "bfloat16", True  # remat: every whole layer
-  c.task.reward_weights = ml_collections.ConfigDict({"correctness": 2.0})
-  c.rl.objective, c.rl.spg_beta, c.rl.spg_omega = "stabledrl_spg", 1.5, 0.5
-  c.rl.max_ratio, c.rl.coupling, c.rl.advantage, c.rl.kl_coef = 5.0, "independent", "mean", 0.0
-  c.rl.scheme, c.rl.num_samples, c.rl.p_mask_prompt = "block_random", 2, 0.15
-  c.rl.group_size, c.rl.prompts_per_step, c.rl.accumulation = 16, 32, 4
-  c.rl.updates_per_batch, c.rl.steps = 2, 1000  # 2000 optimiser steps
-  c.rl.lr, c.rl.warmup_steps = 2e-6, 0
-  c.optim.b1, c.optim.b2, c.optim.weight_decay = 0.9, 0.99, 0.1
-  c.optim.decay_steps, c.optim.grad_clip = 2000, 0.2
-  c.sampler.gen_length, c.sampler.block_length, c.sampler.steps = 256, 32, 128
-  c.sampler.temperature, c.sampler.remasking = 0.9, "low_confidence"
