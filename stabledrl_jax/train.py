@@ -21,7 +21,8 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from stabledrl_jax import (checkpointing, config_lib, controls, diagnostics, distributed, flops,
-                           likelihood, losses, metrics, models, rl, samplers, sharding)
+                           likelihood, losses, metrics, models, rl, run_record, samplers,
+                           sharding)
 from stabledrl_jax import llada_cached
 from stabledrl_jax import tasks
 from stabledrl_jax.tasks import datasets, get_task, pipeline, sudoku
@@ -335,6 +336,9 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   try:
     config_lib.validate(c)
     os.makedirs(workdir, exist_ok=True)
+    for line in run_record.check(c.to_dict(), workdir, has_checkpoint=run_record.has_checkpoint(
+        workdir), main_process=distributed.is_main()):
+      distributed.log(line)
     mesh = build_mesh(c)
     rollout_mesh = build_rollout_mesh(c, mesh) if mesh.size > 1 else None
     tokenizer = build_tokenizer(c)
@@ -480,6 +484,8 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     if jax.process_count() > 1:  # process 0 wrote the file: all follow its answer together
       done = done if multihost_utils.broadcast_one_to_all(bool(done)) else []
     final = done[-1] if done else log_eval(total - 1, final_tag)  # a finished run is not redone
+    from stabledrl_jax import export  # noqa: PLC0415 (export's command line imports train)
+    distributed.log(f"policy: {export.export(c, model, os.path.join(workdir, 'hf'), replace=True)}")
   finally:
     ckpt.wait()
     ckpt.close()
