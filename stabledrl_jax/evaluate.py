@@ -129,7 +129,10 @@ def main(argv):
                          os.path.basename(os.path.normpath(c.model.checkpoint or "init")))
   out_path = os.path.join(out_dir, f"eval_{name}.jsonl")
   os.makedirs(out_dir, exist_ok=True)
-  s = run(c, model, tokenizer, examples, k, temperature, out_path)
+  try:
+    s = run(c, model, tokenizer, examples, k, temperature, out_path)
+  except (ValueError, KeyError) as e:  # e.g. a prompt longer than task.max_prompt_len
+    cli.fail(str(e).strip("'\""))
   distributed.log(
       f"{c.task.name} test, {s['num_examples']} examples x {k}: accuracy {s['accuracy']:.4f}, "
       f"pass@{k} {s['pass_at_k']:.4f}, mean completion length {s['mean_completion_length']:.1f} "

@@ -222,9 +222,26 @@ def stop_token_ids(hf_dir: str, hf: dict) -> tuple[int, ...]:
     ids += list(entry) if isinstance(entry, (list, tuple)) else [entry]
   eot = end_of_turn_token(hf_dir)
   if eot is not None:
-    with open(os.path.join(hf_dir, "tokenizer.json")) as f:
-      ids += [t["id"] for t in json.load(f).get("added_tokens", []) if t["content"] == eot]
+    ids += [added_token_id(hf_dir, eot)]
   return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def added_token_id(hf_dir: str, content: str) -> int | None:
+  """The id of a special token of the checkpoint's tokenizer.json (None when absent)."""
+  added = _read_json(os.path.join(hf_dir, "tokenizer.json")).get("added_tokens", [])
+  return next((t["id"] for t in added if t["content"] == content), None)
+
+
+def mask_token_id(hf_dir: str) -> int | None:
+  """The mask token named by tokenizer_config.json (SDAR's `<|MASK|>`), for a config.json that
+  does not give `mask_token_id`."""
+  entry = _read_json(os.path.join(hf_dir, "tokenizer_config.json")).get("mask_token")
+  entry = entry.get("content") if isinstance(entry, dict) else entry
+  return added_token_id(hf_dir, entry) if entry else None
+
+
+def _first_set(*values):
+  return next((v for v in values if v is not None), None)
 
 
 def _read_json(path: str) -> dict:
@@ -253,7 +270,8 @@ def load_pretrained(hf_dir: str, *, dtype: str = "bfloat16", param_dtype: str = 
   """
   hf = read_hf_config(hf_dir)
   cfg = config_from_hf(hf, compute_dtype=dtype, param_dtype=param_dtype)
-  cfg = dataclasses.replace(cfg, stop_token_ids=stop_token_ids(hf_dir, hf) or cfg.stop_token_ids)
+  cfg = dataclasses.replace(cfg, stop_token_ids=stop_token_ids(hf_dir, hf) or cfg.stop_token_ids,
+                            mask_token_id=_first_set(cfg.mask_token_id, mask_token_id(hf_dir)))
   entries = safetensors_io.index_checkpoint(hf_dir)
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   for spec in weight_specs(cfg):
