@@ -1,4 +1,4 @@
-"""Evaluate a checkpoint on its task's test split:
+r"""Evaluate a checkpoint on its task's test split:
 
   python -m stabledrl_jax.evaluate --config=configs/llada.py:8b \
       --config.model.checkpoint=/path/to/LLaDA-8B-Instruct --config.task.source_dir=/data/gsm8k
@@ -23,14 +23,15 @@ from absl import flags
 from stabledrl_jax import cli, distributed, sharding, train
 from stabledrl_jax.tasks import datasets, get_task, pipeline
 
-cli.define_policy_flags()
-_NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Completions per example (pass@k).")
-_MAX_EXAMPLES = flags.DEFINE_integer("max_examples", None, "Evaluate the first N test examples.")
-_TEMPERATURE = flags.DEFINE_float("temperature", None, "Sampling temperature (default: 0 for one "
-                                  "sample, else sampler.temperature).")
-_NAME = flags.DEFINE_string("name", None, "eval_<name>.jsonl (default: from the checkpoint/step).")
-_OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where eval_<name>.jsonl goes (default: the "
-                                  "workdir, or the current directory).")
+def define_flags() -> None:
+  cli.define_policy_flags()
+  flags.DEFINE_integer("num_samples", 1, "Completions per example (pass@k).")
+  flags.DEFINE_integer("max_examples", None, "Evaluate the first N test examples.")
+  flags.DEFINE_float("temperature", None, "Sampling temperature (default: 0 for one sample, "
+                     "else sampler.temperature).")
+  flags.DEFINE_string("name", None, "eval_<name>.jsonl (default: from the checkpoint/step).")
+  flags.DEFINE_string("output_dir", None, "Where eval_<name>.jsonl goes (default: the workdir, "
+                      "or the current directory).")
 
 
 def test_examples(c, data_dir: str) -> list:
@@ -111,21 +112,21 @@ def _jsonable(value):
 def main(argv):
   c, workdir = cli.setup(argv)
   f = flags.FLAGS
-  if _NUM_SAMPLES.value < 1:
-    cli.fail(f"--num_samples={_NUM_SAMPLES.value}: must be >= 1")
-  out_dir = _OUTPUT_DIR.value or workdir or "."
+  if f.num_samples < 1:
+    cli.fail(f"--num_samples={f.num_samples}: must be >= 1")
+  out_dir = f.output_dir or workdir or "."
   try:
     model, tokenizer, step = cli.load_policy(c, workdir, f.step)
     examples = test_examples(c, os.path.join(out_dir, "data"))
   except (cli.PolicyError, ValueError, KeyError, OSError) as e:
     cli.fail(str(e).strip("'\""))
-  if _MAX_EXAMPLES.value:
-    examples = examples[:_MAX_EXAMPLES.value]
-  k = _NUM_SAMPLES.value
-  temperature = _TEMPERATURE.value
+  if f.max_examples:
+    examples = examples[:f.max_examples]
+  k = f.num_samples
+  temperature = f.temperature
   if temperature is None:
     temperature = 0.0 if k == 1 else c.sampler.temperature
-  name = _NAME.value or (f"step{step}" if step is not None else
+  name = f.name or (f"step{step}" if step is not None else
                          os.path.basename(os.path.normpath(c.model.checkpoint or "init")))
   out_path = os.path.join(out_dir, f"eval_{name}.jsonl")
   os.makedirs(out_dir, exist_ok=True)
@@ -140,4 +141,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   cli.start(main)

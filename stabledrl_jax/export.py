@@ -1,4 +1,4 @@
-"""Export a training run's policy as a Hugging Face directory:
+r"""Export a training run's policy as a Hugging Face directory:
 
   python -m stabledrl_jax.export --workdir=runs/llada_8b [--step=N] --out=DIR [--dtype=bfloat16]
 

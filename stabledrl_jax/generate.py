@@ -1,4 +1,4 @@
-"""Generate from a checkpoint for one-off prompts:
+r"""Generate from a checkpoint for one-off prompts:
 
   python -m stabledrl_jax.generate --config=configs/sdar.py:8b \
       --config.model.checkpoint=/path/to/SDAR-8B-Chat --prompt="What is 12 * 7?"
@@ -20,17 +20,18 @@ from absl import flags
 
 from stabledrl_jax import cli, distributed, sharding, train
 
-cli.define_policy_flags()
-_PROMPT = flags.DEFINE_multi_string("prompt", [], "A prompt (repeat the flag for several).")
-_PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "A file with one prompt per line.")
-_RAW = flags.DEFINE_bool("raw", False, "Do not apply the chat template.")
-_SHOW_ORDER = flags.DEFINE_bool("show_order", False, "Print each token's commit step.")
+def define_flags() -> None:
+  cli.define_policy_flags()
+  flags.DEFINE_multi_string("prompt", [], "A prompt (repeat the flag for several).")
+  flags.DEFINE_string("prompts_file", None, "A file with one prompt per line.")
+  flags.DEFINE_bool("raw", False, "Do not apply the chat template.")
+  flags.DEFINE_bool("show_order", False, "Print each token's commit step.")
 
 
 def read_prompts() -> list[str]:
-  prompts = list(_PROMPT.value)
-  if _PROMPTS_FILE.value:
-    with open(_PROMPTS_FILE.value) as f:
+  prompts = list(flags.FLAGS.prompt)
+  if flags.FLAGS.prompts_file:
+    with open(flags.FLAGS.prompts_file) as f:
       prompts += [line.rstrip("\n") for line in f if line.strip()]
   if not prompts and not sys.stdin.isatty():
     prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
@@ -76,7 +77,7 @@ def main(argv):
     model, tokenizer, _ = cli.load_policy(c, workdir, flags.FLAGS.step)
   except cli.PolicyError as e:
     cli.fail(str(e))
-  chat = not _RAW.value and bool(getattr(tokenizer, "chat_template", None))
+  chat = not flags.FLAGS.raw and bool(getattr(tokenizer, "chat_template", None))
   ids, mask = encode(tokenizer, prompts, chat)
   rollout = train.generate(model, ids, mask, jax.random.key(c.seed),
                            train.sampling_settings(c, c.sampler.temperature))
@@ -88,9 +89,10 @@ def main(argv):
     row = completions[b].tolist()
     cut = next((i for i, t in enumerate(row) if t in stops), len(row))
     print(f"### prompt {b + 1}: {prompt}\n{tokenizer.decode(row[:cut])}", flush=True)
-    if _SHOW_ORDER.value:
+    if flags.FLAGS.show_order:
       print(f"### commit order {b + 1}: {commit_order(tokenizer, rollout, b)}", flush=True)
 
 
 if __name__ == "__main__":
+  define_flags()
   cli.start(main)

@@ -66,3 +66,4 @@ def test_detector_switched_on_after_the_checkpoint_starts_fresh():
   on.load_state_dict(off.state_dict())  # a checkpoint from before the switch
   assert on.state_dict()["clip_band"] == controls.StabilityMonitor(
       controls.MonitorConfig(clip_band=True)).state_dict()["clip_band"]
+
