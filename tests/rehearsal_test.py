@@ -175,11 +175,13 @@ def test_rehearsal(tmp_path, family):
          "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
 
   def run(module: str, *args: str, ok: bool = True) -> str:
+    start = time.time()
     proc = subprocess.run([sys.executable, "-m", f"stabledrl_jax.{module}", *args], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert (proc.returncode == 0) == ok, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
+    print(f"{family} {module}: {time.time() - start:.0f}s")
     return out
 
   ckpt = tmp_path / f"tiny-{family}"
