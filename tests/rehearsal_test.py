@@ -46,7 +46,7 @@ BLOCK_TORCH = (  # sitecustomize: the runtime must not lean on the test-only pac
     "sys.meta_path.insert(0, _Blocked())\n")
 
 
-def train_tokenizer(out: Path, special: list[str], vocab: int = 320) -> dict[str, int]:
+def train_tokenizer(out: Path, special: list[str], vocab: int = 1000) -> dict[str, int]:
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
   texts = []
   with open(GSM8K / "train.jsonl") as f:
@@ -73,7 +73,7 @@ def _write_weights(out: Path, shapes: dict[str, tuple], seed: int) -> None:
 def make_llada(out: Path) -> dict:
   out.mkdir(parents=True)
   ids = train_tokenizer(out, LLADA_SPECIAL)
-  vocab = 384  # the embedding is larger than the tokenizer, as LLaDA's 126464 > 126349
+  vocab = 1024  # the embedding is larger than the tokenizer, as LLaDA's 126464 > 126349
   d, mlp, layers = 32, 64, 2
   config = {  # LLaDA-8B-Instruct's config.json keys at tiny sizes
       "activation_type": "silu", "alibi": False, "alibi_bias_max": 8.0,
@@ -115,7 +115,7 @@ def make_llada(out: Path) -> dict:
 def make_sdar(out: Path) -> dict:
   out.mkdir(parents=True)
   ids = train_tokenizer(out, SDAR_SPECIAL)
-  vocab, d, heads, kv, head_dim, mlp, layers = 384, 32, 2, 1, 16, 64, 2
+  vocab, d, heads, kv, head_dim, mlp, layers = 1024, 32, 2, 1, 16, 64, 2
   config = {  # SDAR-8B-Chat's config.json keys at tiny sizes
       "architectures": ["SDARForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
       "auto_map": {"AutoConfig": "configuration_sdar.SDARConfig",
@@ -157,7 +157,7 @@ def make_sdar(out: Path) -> dict:
 
 def sizes(family: str) -> list[str]:
   """Overrides of sizes and step counts only: everything else is the 8b preset."""
-  common = ["--config.sampler.gen_length=16",
+  common = ["--config.sampler.gen_length=16", "--config.task.max_prompt_len=256",
             "--config.eval.batch_size=8"]
   if family == "llada":
     return common + ["--config.sampler.block_length=8", "--config.sampler.steps=4"]
@@ -172,7 +172,10 @@ def test_rehearsal(tmp_path, family):
   blocker.mkdir()
   (blocker / "sitecustomize.py").write_text(BLOCK_TORCH)
   env = {**os.environ, "PYTHONPATH": str(blocker), "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+         # the commands share compiled programs (the rerun's, generate's), as a user's runs do
+         "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
+         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
   def run(module: str, *args: str, ok: bool = True) -> str:
     start = time.time()
@@ -204,7 +207,7 @@ def test_rehearsal(tmp_path, family):
   work = tmp_path / "run"
   train_args = [*preset, *sizes(family), f"--workdir={work}", "--config.rl.steps=2",
                 "--config.rl.prompts_per_step=2", "--config.rl.group_size=2",
-                "--config.rl.accumulation=1", "--config.eval.num_examples=2"]
+                "--config.rl.accumulation=1", "--config.eval.num_examples=8"]
   run("main", *train_args)
   recorded = json.load(open(work / "config.json"))
   assert recorded["model"]["checkpoint"] == str(ckpt) and recorded["rl"]["steps"] == 2
