@@ -84,12 +84,11 @@ def load_policy(c, workdir: str | None = None, step: int | None = None):
   """(model, tokenizer, step): the config's checkpoint (or random init), then with a workdir
   the parameters of its step `step` (default the latest). Raises `PolicyError`."""
   try:
+    config_lib.validate(c)
     mesh = train.build_mesh(c)
     tokenizer = train.build_tokenizer(c)
-    if c.model.checkpoint and not os.path.isdir(c.model.checkpoint):
-      raise PolicyError(f"config.model.checkpoint={c.model.checkpoint!r}: no such directory")
     model = train.build_model(c, tokenizer, mesh)
-  except (KeyError, OSError, ValueError) as e:
+  except (AttributeError, KeyError, OSError, ValueError) as e:  # AttributeError: a key missing
     raise PolicyError(str(e).strip("'\"")) from e
   if workdir is None:
     return model, tokenizer, None
