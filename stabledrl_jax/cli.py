@@ -88,7 +88,9 @@ def load_policy(c, workdir: str | None = None, step: int | None = None):
     mesh = train.build_mesh(c)
     tokenizer = train.build_tokenizer(c)
     model = train.build_model(c, tokenizer, mesh)
-  except (AttributeError, KeyError, OSError, ValueError) as e:  # AttributeError: a key missing
+  except AttributeError as e:  # a config (e.g. a hand-edited config.json) without a key
+    raise PolicyError(f"the config has no key {str(e).strip(chr(39) + chr(34))!r}") from e
+  except (KeyError, OSError, ValueError) as e:
     raise PolicyError(str(e).strip("'\"")) from e
   if workdir is None:
     return model, tokenizer, None

@@ -480,7 +480,8 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         return {"stopped": stopped._asdict(), "skipped_updates": skipped_total}
     final_tag = "after RL" if c.rl.steps else "after SFT"
     writer.flush()
-    done = [e for e in metrics.read_jsonl(writer.eval_path) if e["tag"] == final_tag]
+    done = [e for e in metrics.read_jsonl(writer.eval_path)  # of this total (rl.steps may grow)
+            if e["tag"] == final_tag and e["step"] == total - 1]
     if jax.process_count() > 1:  # process 0 wrote the file: all follow its answer together
       done = done if multihost_utils.broadcast_one_to_all(bool(done)) else []
     final = done[-1] if done else log_eval(total - 1, final_tag)  # a finished run is not redone

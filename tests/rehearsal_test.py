@@ -237,6 +237,8 @@ def test_rehearsal(tmp_path, family):
   assert "config changed since the last run: rl.steps: 2 -> 3" in out and "resumed from" in out
   steps = [json.loads(l)["step"] for l in open(work / "metrics.jsonl")]
   assert sorted(set(steps)) == [0, 1, 2], steps
+  final = [json.loads(l) for l in open(work / "eval.jsonl")][-1]
+  assert (final["tag"], final["step"]) == ("after RL", 2)  # evaluated again after the extra step
   print(f"{family} rehearsal: {time.time() - t0:.0f}s")
 
 
