@@ -21,7 +21,8 @@ import numpy as np
 from absl import flags
 
 from stabledrl_jax import cli, distributed, sharding, train
-from stabledrl_jax.tasks import datasets, get_task, pipeline
+from stabledrl_jax import tasks
+from stabledrl_jax.tasks import datasets, pipeline
 
 def define_flags() -> None:
   cli.define_policy_flags()
@@ -34,7 +35,7 @@ def define_flags() -> None:
                       "or the current directory).")
 
 
-def test_examples(c, data_dir: str) -> list:
+def test_examples(c, task, data_dir: str) -> list:
   """The config's task test split, as `main` reads it."""
   kwargs = dict(data_dir=c.task.data_dir or data_dir, source=c.task.source)
   if c.task.source == "local":
@@ -43,7 +44,7 @@ def test_examples(c, data_dir: str) -> list:
     kwargs.update(num_train=c.task.num_train, num_test=c.task.num_test, seed=c.seed)
     if c.task.name == "sudoku":
       kwargs["blanks"] = c.task.blanks
-  source = datasets.load_source(c.task.name, "test", **kwargs)
+  source = datasets.load_source(task, "test", **kwargs)
   return [source[i] for i in range(len(source))]
 
 
@@ -65,8 +66,8 @@ def progress(done: int, total: int, tokens: int, t0: float) -> None:
         f"ETA {eta:.0f}s", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
 
-def run(c, model, tokenizer, examples: list, k: int, temperature: float, out_path: str) -> dict:
-  task = get_task(c.task.name)
+def run(c, task, model, tokenizer, examples: list, k: int, temperature: float,
+        out_path: str) -> dict:
   reward_fn = task.reward_fn(dict(c.task.reward_weights))
   sampling = train.sampling_settings(c, temperature)
   stops = model.config.stop_token_ids
@@ -117,7 +118,8 @@ def main(argv):
   out_dir = f.output_dir or workdir or "."
   try:
     model, tokenizer, step = cli.load_policy(c, workdir, f.step)
-    examples = test_examples(c, os.path.join(out_dir, "data"))
+    task = tasks.from_config(c.task)
+    examples = test_examples(c, task, os.path.join(out_dir, "data"))
   except (cli.PolicyError, ValueError, KeyError, OSError) as e:
     cli.fail(str(e).strip("'\""))
   if f.max_examples:
@@ -131,11 +133,11 @@ def main(argv):
   out_path = os.path.join(out_dir, f"eval_{name}.jsonl")
   os.makedirs(out_dir, exist_ok=True)
   try:
-    s = run(c, model, tokenizer, examples, k, temperature, out_path)
+    s = run(c, task, model, tokenizer, examples, k, temperature, out_path)
   except (ValueError, KeyError) as e:  # e.g. a prompt longer than task.max_prompt_len
     cli.fail(str(e).strip("'\""))
   distributed.log(
-      f"{c.task.name} test, {s['num_examples']} examples x {k}: accuracy {s['accuracy']:.4f}, "
+      f"{task.name} test, {s['num_examples']} examples x {k}: accuracy {s['accuracy']:.4f}, "
       f"pass@{k} {s['pass_at_k']:.4f}, mean completion length {s['mean_completion_length']:.1f} "
       f"tokens, {s['wall_s']:.1f}s, {s['tokens_per_s']:.1f} generated tokens/s -> {out_path}")
 
