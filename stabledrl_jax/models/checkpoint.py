@@ -1,7 +1,8 @@
 """Hugging Face checkpoints <-> the NNX transformer: LLaDA, SDAR and Qwen3 (docs/method.md §6).
 
 Loading reads `config.json`, builds the model abstractly (no parameter memory), then streams
-the safetensors tensor by tensor into (sharded) device arrays: the host holds one tensor at a time.
+the safetensors tensor by tensor into (sharded) device arrays: the host holds one tensor (or,
+across processes, one slice of it) at a time.
 """
 import dataclasses
 import json
@@ -265,38 +266,36 @@ def load_pretrained(hf_dir: str, *, dtype: str = "bfloat16", param_dtype: str = 
                     ) -> tuple[Transformer, ModelConfig]:
   """Load a LLaDA / SDAR / Qwen3 checkpoint; `dtype` is the compute dtype.
 
-  With a mesh, each tensor goes straight to its NamedSharding (each process builds only its
-  addressable shards), so no full copy of the model ever sits in host memory.
+  With a mesh, each tensor goes straight to its NamedSharding and each process reads from disk
+  only its share of every tensor (`safetensors_io.read_sharded`), so no full copy of the model
+  ever sits in host memory and the bytes each process reads fall with the number of processes.
   """
   hf = read_hf_config(hf_dir)
   cfg = config_from_hf(hf, compute_dtype=dtype, param_dtype=param_dtype)
   cfg = dataclasses.replace(cfg, stop_token_ids=stop_token_ids(hf_dir, hf) or cfg.stop_token_ids,
                             mask_token_id=_first_set(cfg.mask_token_id, mask_token_id(hf_dir)))
-  entries = safetensors_io.index_checkpoint(hf_dir)
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  reader = safetensors_io.Reader(hf_dir)
   for spec in weight_specs(cfg):
     variable = _variable(model, spec.path)
     shape = tuple(variable.get_value().shape)
     hf_name = spec.hf_name
-    if hf_name not in entries and spec.path == ("head", "kernel") and cfg.tie_word_embeddings:
+    if hf_name not in reader and spec.path == ("head", "kernel") and cfg.tie_word_embeddings:
       hf_name = weight_specs(cfg)[0].hf_name  # tied checkpoints store the head as the embedding
-    if hf_name not in entries:
+    if hf_name not in reader:
       raise CheckpointError(f"missing tensor {hf_name!r} in {hf_dir}")
-    entry = entries[hf_name]
     want = shape[::-1] if spec.transpose else shape
-    if entry.shape != want:
-      raise CheckpointError(f"tensor {hf_name!r} has shape {entry.shape}, expected {want}")
-    host = entry.read()
-    if spec.transpose:
-      host = host.T
-    host = host.astype(param_dtype, copy=False)
+    if reader.shape(hf_name) != want:
+      raise CheckpointError(f"tensor {hf_name!r} has shape {reader.shape(hf_name)}, "
+                            f"expected {want}")
     if mesh is None:
-      value = jax.device_put(host)
+      host = reader.read(hf_name)
+      value = jax.device_put((host.T if spec.transpose else host).astype(param_dtype))
     else:
-      sharding = param_sharding(mesh, spec.logical_axes, shape, rules)
-      value = jax.make_array_from_callback(shape, sharding, lambda idx, h=host: h[idx])
+      value = safetensors_io.read_sharded(
+          reader, hf_name, transpose=spec.transpose, dtype=param_dtype,
+          sharding=param_sharding(mesh, spec.logical_axes, shape, rules))
     variable.set_value(value)
-    del host  # drop the host copy before the next tensor is read
   return model, cfg
 
 
