@@ -262,9 +262,10 @@ def read_hf_config(hf_dir: str) -> dict:
 
 
 def load_pretrained(hf_dir: str, *, dtype: str = "bfloat16", param_dtype: str = "float32",
-                    mesh: Mesh | None = None, rules: dict | None = None
-                    ) -> tuple[Transformer, ModelConfig]:
-  """Load a LLaDA / SDAR / Qwen3 checkpoint; `dtype` is the compute dtype.
+                    mesh: Mesh | None = None, rules: dict | None = None,
+                    options: dict | None = None) -> tuple[Transformer, ModelConfig]:
+  """Load a LLaDA / SDAR / Qwen3 checkpoint; `dtype` is the compute dtype, `options` the
+  execution options of the model config (remat, remat_policy, attention_impl, attention_tile).
 
   With a mesh, each tensor goes straight to its NamedSharding and each process reads from disk
   only its share of every tensor (`safetensors_io.read_sharded`), so no full copy of the model
@@ -274,6 +275,7 @@ def load_pretrained(hf_dir: str, *, dtype: str = "bfloat16", param_dtype: str = 
   cfg = config_from_hf(hf, compute_dtype=dtype, param_dtype=param_dtype)
   cfg = dataclasses.replace(cfg, stop_token_ids=stop_token_ids(hf_dir, hf) or cfg.stop_token_ids,
                             mask_token_id=_first_set(cfg.mask_token_id, mask_token_id(hf_dir)))
+  cfg = dataclasses.replace(cfg, **(options or {}))
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   reader = safetensors_io.Reader(hf_dir)
   for spec in weight_specs(cfg):
