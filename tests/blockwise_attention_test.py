@@ -67,3 +67,20 @@ def test_the_staircase_mask_is_not_materialised():
   jaxpr = str(jax.make_jaxpr(lambda q, k, v: blockwise_attention(q, k, v, parts, 4))(q, k, v))
   t = 2 * N_BLOCK
   assert f"{t},{t}]" not in jaxpr.replace(" ", "")  # no [.., T, S] score or mask array
+
+
+def test_transformer_blockwise_equals_dense():
+  ids = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 4, 100)
+  valid = _left_padded(2, 12, [0, 5])
+  for family in ("llada", "sdar"):
+    extra = dict(family="llada", qk_norm=False, block_size=None) if family == "llada" else {}
+    dense = models.create(models.tiny(compute_dtype="float32", **extra), seed=2)
+    tiled = models.create(models.tiny(compute_dtype="float32", attention_impl="blockwise",
+                                      attention_tile=5, **extra), seed=2)
+    runs = [lambda m: m.logits(ids, attention="full", valid_BxL=valid)]
+    if family == "sdar":
+      runs += [lambda m: m.logits(ids, attention="block_causal", valid_BxL=valid),
+               lambda m: m.staircase_logits(ids, ids[:, ::-1], valid_BxN=valid)]
+    for run in runs:
+      np.testing.assert_allclose(np.asarray(run(tiled)), np.asarray(run(dense)), rtol=1e-5,
+                                 atol=1e-5)
