@@ -60,10 +60,10 @@ def model_config(c) -> models.ModelConfig:
   if c.model.checkpoint and os.path.isdir(c.model.checkpoint):
     cfg = models.config_from_hf(models.checkpoint.read_hf_config(c.model.checkpoint),
                                 compute_dtype=c.model.compute_dtype)
-    return models.replace(cfg, remat=c.model.remat)
+    return models.replace(cfg, **models.runtime_options(c.model))
   if c.model.checkpoint:  # the 8b presets, with a checkpoint path that is not on this host
     make = models.llada_8b if c.family == "llada" else models.sdar_8b
-    return make(compute_dtype=c.model.compute_dtype, remat=c.model.remat)
+    return make(compute_dtype=c.model.compute_dtype, **models.runtime_options(c.model))
   return nnx.eval_shape(lambda: build.model(c, build.tokenizer(c))).config
 
 

@@ -49,7 +49,8 @@ def model(c: ml_collections.ConfigDict, tokenizer, mesh=None) -> nnx.Module:
   """A random tiny model sized by the config, or a pretrained checkpoint, sharded on `mesh`."""
   if c.model.checkpoint:
     model, _ = models.load_pretrained(c.model.checkpoint, dtype=c.model.compute_dtype,
-                                      mesh=mesh if mesh is not None and mesh.size > 1 else None)
+                                      mesh=mesh if mesh is not None and mesh.size > 1 else None,
+                                      options=models.runtime_options(c.model))
     return model
   sdar = c.family == "sdar"
   cfg = models.preset(
@@ -59,7 +60,7 @@ def model(c: ml_collections.ConfigDict, tokenizer, mesh=None) -> nnx.Module:
       mlp_dim=c.model.mlp_dim, qk_norm=sdar, mask_token_id=tokenizer.mask_id,
       eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
       stop_token_ids=(tokenizer.eos_id,), block_size=c.model.block_size if sdar else None,
-      compute_dtype=c.model.compute_dtype, remat=c.model.remat)
+      compute_dtype=c.model.compute_dtype, **models.runtime_options(c.model))
   if mesh is not None and mesh.size > 1:
     return sharding.create_model(cfg, c.seed, mesh)
   return models.create(cfg, seed=c.seed)

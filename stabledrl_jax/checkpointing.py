@@ -37,6 +37,9 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
+  def all_steps(self) -> list[int]:
+    return list(self._manager.all_steps())
+
   def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer, meta: dict[str, Any]) -> None:
     self._manager.save(step, args=ocp.args.Composite(
         model=ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(model, nnx.Param))),
@@ -58,6 +61,16 @@ class Checkpointer:
     nnx.replace_by_pure_dict(opt_state, out["optimizer"])
     nnx.update(model, model_state)
     nnx.update(optimizer, opt_state)
+    return out["meta"]
+
+  def restore_model(self, step: int, model: nnx.Module) -> dict[str, Any]:
+    """Load only the model parameters of step `step` (no optimiser needed); returns the record."""
+    state = nnx.state(model, nnx.Param)
+    out = self._manager.restore(step, args=ocp.args.Composite(
+        model=ocp.args.StandardRestore(_abstract(nnx.to_pure_dict(state))),
+        meta=ocp.args.JsonRestore()))
+    nnx.replace_by_pure_dict(state, out["model"])
+    nnx.update(model, state)
     return out["meta"]
 
   def wait(self) -> None:

@@ -62,6 +62,9 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.model.block_size = 4        # SDAR block length (ignored for LLaDA)
   c.model.compute_dtype = "float32"
   c.model.remat = False
+  c.model.remat_policy = "nothing"  # with remat: "nothing" | "dots" | "dots_no_batch" saved
+  c.model.attention_impl = "dense"  # "blockwise": key tiles, no [heads, T, S] scores
+  c.model.attention_tile = 512      # key positions per blockwise tile
 
   c.task = ml_collections.ConfigDict()
   c.task.name = "sudoku"         # a built-in task, "jsonl", or a Task's import path pkg.mod:NAME

@@ -111,8 +111,8 @@ class _Stateful:
     return {k: getattr(self, k) for k in self._STATE}
 
   def load_state_dict(self, state: Mapping[str, Any]) -> None:
-    for k in self._STATE:
-      setattr(self, k, state[k])
+    for k in self._STATE:  # a field newer than the checkpoint keeps its fresh value
+      setattr(self, k, state.get(k, getattr(self, k)))
 
 
 # ----------------------------------------------------------------------------- detectors
@@ -258,5 +258,6 @@ class StabilityMonitor:
     return {k: d.state_dict() for k, d in self.detectors.items()}
 
   def load_state_dict(self, state: Mapping[str, Any]) -> None:
-    for k, d in self.detectors.items():
-      d.load_state_dict(state[k])
+    for k, d in self.detectors.items():  # one switched on since the checkpoint starts fresh
+      if k in state:
+        d.load_state_dict(state[k])

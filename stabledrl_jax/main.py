@@ -13,6 +13,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from stabledrl_jax import config_lib, distributed, train
+from stabledrl_jax.cli import parse_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", config_lib.resolve_config_arg("configs/sdar.py"),
@@ -27,20 +28,6 @@ _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process: num
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process: this process's index.")
 _HEARTBEAT = flags.DEFINE_integer("heartbeat_timeout", 100, "Multi-process: seconds without a "
                                   "heartbeat after which a process counts as dead and the run stops.")
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-  """absl flag parsing, with a one-line error for a bad flag or an unknown config key."""
-  try:
-    return flags.FLAGS(config_lib.resolve_config_flags(argv))
-  except flags.Error as e:
-    sys.exit(f"error: {e}")
-  except (AttributeError, KeyError) as e:  # ml_collections: an override of a key that is not there
-    missing = str(e).strip("'\"")
-    named = [a.split("=")[0] for a in argv[1:]
-             if a.startswith("--config.") and missing in a.split("=")[0].split(".")]
-    sys.exit(f"error: unknown config key {named[0][2:] if named else missing}: the config has no "
-             f"key {missing!r} there")
 
 
 def main(argv):

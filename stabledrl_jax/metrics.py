@@ -167,8 +167,21 @@ class MetricsWriter:
             flush=True)
 
 
+def curve_panels(rows: list[dict], evals: list[dict]) -> list[tuple[str, list]]:
+  """(title, [(step, value)]) per panel of curves.png: each stage's loss on its own panel (the
+  SFT loss is ~100x the RL loss), RL reward, gradient norm over both stages, held-out accuracy.
+  A panel without data (e.g. SFT with sft.steps=0) is left out."""
+  def points(key, stage=None):
+    return [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))
+            and (stage is None or r.get("stage") == stage)]
+  panels = [("SFT loss", points("loss", "sft")), ("RL loss", points("loss", "rl")),
+            ("RL reward", points("reward_mean", "rl")), ("gradient norm", points("grad_norm")),
+            ("held-out accuracy", [(e["step"], e["accuracy"]) for e in evals])]
+  return [(title, pts) for title, pts in panels if pts]
+
+
 def plot_curves(workdir: str) -> str | None:
-  """WORKDIR/curves.png: loss, reward, gradient norm and held-out accuracy against step."""
+  """WORKDIR/curves.png: `curve_panels`, with the SFT stage shaded on every panel."""
   rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
   evals = read_jsonl(os.path.join(workdir, "eval.jsonl"))
   if not rows or jax.process_index() != 0:
@@ -176,18 +189,16 @@ def plot_curves(workdir: str) -> str | None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  panels = [("loss", "loss"), ("reward_mean", "RL reward"), ("grad_norm", "gradient norm")]
-  fig, axes = plt.subplots(1, 4, figsize=(16, 3.5))
-  for ax, (key, title) in zip(axes, panels):
-    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-    if pts:
-      ax.plot(*zip(*pts), lw=1)
+  panels = curve_panels(rows, evals)
+  sft_steps = [r["step"] for r in rows if r.get("stage") == "sft"]
+  fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5), squeeze=False)
+  for ax, (title, pts) in zip(axes[0], panels):
+    ax.plot(*zip(*pts), "o-" if title == "held-out accuracy" else "-", lw=1)
+    if sft_steps:
+      ax.axvspan(min(sft_steps), max(sft_steps) + 1, color="0.9", label="SFT")
+      ax.legend(loc="best", fontsize="small")
     ax.set_title(title)
     ax.set_xlabel("step")
-  if evals:
-    axes[3].plot([e["step"] for e in evals], [e["accuracy"] for e in evals], "o-")
-  axes[3].set_title("held-out accuracy")
-  axes[3].set_xlabel("step")
   fig.tight_layout()
   path = os.path.join(workdir, "curves.png")
   fig.savefig(path, dpi=80)

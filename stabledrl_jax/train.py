@@ -22,7 +22,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from stabledrl_jax import (build, checkpointing, config_lib, controls, detectors, distributed,
-                           flops, metrics, optim, rl, sft, sharding)
+                           flops, metrics, optim, rl, run_record, sft, sharding)
 from stabledrl_jax.tasks import pipeline
 
 
@@ -72,6 +72,8 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                         "config and rerun the same command to resume")
         return {"stopped": stopped._asdict(), "skipped_updates": r.skipped}
     final = final_evaluation(r)
+    from stabledrl_jax import export  # noqa: PLC0415 (export's command line imports train)
+    distributed.log(f"policy: {export.export(c, r.model, os.path.join(workdir, 'hf'), replace=True)}")
   finally:
     r.ckpt.wait()
     r.ckpt.close()
@@ -85,6 +87,9 @@ def setup(c: ml_collections.ConfigDict, workdir: str) -> Run:
     config_lib.validate(c)
     s = config_lib.settings(c)
     os.makedirs(workdir, exist_ok=True)
+    for line in run_record.check(c.to_dict(), workdir, main_process=distributed.is_main(),
+                                 has_checkpoint=run_record.has_checkpoint(workdir)):
+      distributed.log(line)
     mesh = build.mesh(c)
     rollout_mesh = build.rollout_mesh(c, mesh) if mesh.size > 1 else None
     tokenizer = build.tokenizer(c)
@@ -218,7 +223,8 @@ def final_evaluation(r: Run) -> dict[str, float]:
   """The closing evaluation, unless a finished run already logged it (a rerun does not redo it)."""
   final_tag = "after RL" if r.c.rl.steps else "after SFT"
   r.writer.flush()
-  done = [e for e in metrics.read_jsonl(r.writer.eval_path) if e["tag"] == final_tag]
+  done = [e for e in metrics.read_jsonl(r.writer.eval_path)  # of this total (rl.steps may grow)
+          if e["tag"] == final_tag and e["step"] == r.total - 1]
   if jax.process_count() > 1:  # process 0 wrote the file: all follow its answer together
     done = done if multihost_utils.broadcast_one_to_all(bool(done)) else []
   return done[-1] if done else log_eval(r, r.total - 1, final_tag)

@@ -90,15 +90,32 @@ def test_sharded_export_and_bfloat16(tmp_path):
                              _params(model)["lm_head.weight"], rtol=1e-2, atol=1e-3)
 
 
-def test_reader_handles_library_written_files(tmp_path):
+def test_reader_slices_library_and_own_files_bfloat16_included(tmp_path):
   rng = np.random.RandomState(0)
-  tensors = {"a": rng.randn(3, 5).astype(np.float32), "b": rng.randn(7).astype(np.float16),
-             "c": np.arange(6, dtype=np.int64).reshape(2, 3)}
-  save_file(tensors, str(tmp_path / "x.safetensors"))
+  tensors = {"a": rng.randn(6, 5).astype(np.float32), "b": rng.randn(7).astype(np.float16),
+             "c": np.arange(6, dtype=np.int64).reshape(2, 3),
+             "d": rng.randn(4, 8).astype(ml_dtypes.bfloat16)}
+  save_file(tensors, str(tmp_path / "model.safetensors"))
   from stabledrl_jax.models import safetensors_io
-  entries = safetensors_io.read_header(str(tmp_path / "x.safetensors"))
+  reader = safetensors_io.Reader(str(tmp_path))
   for name, value in tensors.items():
-    np.testing.assert_array_equal(entries[name].read(), value)
+    assert reader.shape(name) == value.shape
+    got = reader.read(name)
+    assert got.dtype == value.dtype
+    np.testing.assert_array_equal(got, value)
+  np.testing.assert_array_equal(reader.read("a", (slice(2, 4), slice(1, 5))), tensors["a"][2:4, 1:5])
+  np.testing.assert_array_equal(reader.read("d", (slice(0, 4), slice(4, 8))), tensors["d"][:, 4:])
+  own = tmp_path / "own"
+  safetensors_io.write_checkpoint(str(own), [(k, v.shape, v.dtype) for k, v in tensors.items()],
+                                  tensors.__getitem__, max_shard_bytes=100)
+  assert (own / "model.safetensors.index.json").exists()
+  reader = safetensors_io.Reader(str(own))
+  for name, value in tensors.items():
+    np.testing.assert_array_equal(reader.read(name), value)
+  second = sorted(f for f in os.listdir(own) if f.endswith(".safetensors"))[1]
+  os.remove(own / second)
+  with pytest.raises(FileNotFoundError, match=second):
+    safetensors_io.Reader(str(own))
 
 
 def test_load_onto_a_mesh_shards_parameters(exported):

@@ -2,7 +2,8 @@
 from stabledrl_jax.models.attention import (attention_mask, block_causal_mask, block_ids,
                                             full_mask, staircase_mask)
 from stabledrl_jax.models.config import (PRESETS, ModelConfig, bench_100m, llada_8b, preset,
-                                         replace, sdar_1p7b, sdar_4b, sdar_8b, tiny)
+                                         replace, runtime_options, sdar_1p7b, sdar_4b,
+                                         sdar_8b, tiny)
 from stabledrl_jax.models.transformer import KVCache, Transformer, create
 from stabledrl_jax.models.checkpoint import (CheckpointError, config_from_hf, config_to_hf,
                                              export_pretrained, load_pretrained, param_sharding,

@@ -1,7 +1,8 @@
 """Hugging Face checkpoints <-> the NNX transformer: LLaDA, SDAR and Qwen3 (docs/method.md §6).
 
 Loading reads `config.json`, builds the model abstractly (no parameter memory), then streams
-the safetensors tensor by tensor into (sharded) device arrays: the host holds one tensor at a time.
+the safetensors tensor by tensor into (sharded) device arrays: the host holds one tensor (or,
+across processes, one slice of it) at a time.
 """
 import dataclasses
 import json
@@ -67,7 +68,7 @@ def config_from_hf(hf: dict, *, compute_dtype: str = "bfloat16",
         rope_theta=float(hf.get("rope_theta", 10000.0)), norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
         qk_norm=False, mask_token_id=hf.get("mask_token_id", 126336), eos_token_id=eos,
         pad_token_id=hf.get("pad_token_id"),
-        stop_token_ids=tuple(t for t in (eos, 126348 if eos == 126081 else None) if t is not None),
+        stop_token_ids=(eos,) if eos is not None else (),
         block_size=None, tie_word_embeddings=bool(hf.get("weight_tying", False)),
         max_seq_len=hf.get("max_sequence_length", 4096), **dtypes)
   rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -192,6 +193,65 @@ def _variable(model, path):
   return obj
 
 
+def end_of_turn_token(hf_dir: str) -> str | None:
+  """The special token the chat template writes right after an assistant message, if any."""
+  tokenizer_file = os.path.join(hf_dir, "tokenizer.json")
+  if not os.path.exists(os.path.join(hf_dir, "tokenizer_config.json")) or not os.path.exists(
+      tokenizer_file):
+    return None
+  from stabledrl_jax.tasks.tokenizer import HFTokenizer
+  tokenizer = HFTokenizer(hf_dir)
+  if not tokenizer.chat_template:
+    return None
+  marker = "\u2063end of the answer\u2063"
+  text = tokenizer.apply_chat_template(
+      [{"role": "user", "content": "question"}, {"role": "assistant", "content": marker}],
+      add_generation_prompt=False)
+  rest = text.rpartition(marker)[2].lstrip()
+  with open(tokenizer_file) as f:
+    special = [t["content"] for t in json.load(f).get("added_tokens", []) if t.get("special")]
+  found = [t for t in special if rest.startswith(t)]
+  return max(found, key=len) if found else None
+
+
+def stop_token_ids(hf_dir: str, hf: dict) -> tuple[int, ...]:
+  """Generation stops at: config.json's eos, generation_config.json's eos list and the chat
+  template's end-of-turn token (looked up in the checkpoint's tokenizer)."""
+  ids = []
+  for entry in (hf.get("eos_token_id"), _read_json(os.path.join(
+      hf_dir, "generation_config.json")).get("eos_token_id")):
+    ids += list(entry) if isinstance(entry, (list, tuple)) else [entry]
+  eot = end_of_turn_token(hf_dir)
+  if eot is not None:
+    ids += [added_token_id(hf_dir, eot)]
+  return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def added_token_id(hf_dir: str, content: str) -> int | None:
+  """The id of a special token of the checkpoint's tokenizer.json (None when absent)."""
+  added = _read_json(os.path.join(hf_dir, "tokenizer.json")).get("added_tokens", [])
+  return next((t["id"] for t in added if t["content"] == content), None)
+
+
+def mask_token_id(hf_dir: str) -> int | None:
+  """The mask token named by tokenizer_config.json (SDAR's `<|MASK|>`), for a config.json that
+  does not give `mask_token_id`."""
+  entry = _read_json(os.path.join(hf_dir, "tokenizer_config.json")).get("mask_token")
+  entry = entry.get("content") if isinstance(entry, dict) else entry
+  return added_token_id(hf_dir, entry) if entry else None
+
+
+def _first_set(*values):
+  return next((v for v in values if v is not None), None)
+
+
+def _read_json(path: str) -> dict:
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    return json.load(f)
+
+
 def read_hf_config(hf_dir: str) -> dict:
   """The parsed config.json of a checkpoint directory."""
   path = os.path.join(hf_dir, "config.json")
@@ -202,49 +262,65 @@ def read_hf_config(hf_dir: str) -> dict:
 
 
 def load_pretrained(hf_dir: str, *, dtype: str = "bfloat16", param_dtype: str = "float32",
-                    mesh: Mesh | None = None, rules: dict | None = None
-                    ) -> tuple[Transformer, ModelConfig]:
-  """Load a LLaDA / SDAR / Qwen3 checkpoint; `dtype` is the compute dtype.
+                    mesh: Mesh | None = None, rules: dict | None = None,
+                    options: dict | None = None) -> tuple[Transformer, ModelConfig]:
+  """Load a LLaDA / SDAR / Qwen3 checkpoint; `dtype` is the compute dtype, `options` the
+  execution options of the model config (remat, remat_policy, attention_impl, attention_tile).
 
-  With a mesh, each tensor goes straight to its NamedSharding (each process builds only its
-  addressable shards), so no full copy of the model ever sits in host memory.
+  With a mesh, each tensor goes straight to its NamedSharding and each process reads from disk
+  only its share of every tensor (`safetensors_io.read_sharded`), so no full copy of the model
+  ever sits in host memory and the bytes each process reads fall with the number of processes.
   """
-  cfg = config_from_hf(read_hf_config(hf_dir), compute_dtype=dtype, param_dtype=param_dtype)
-  entries = safetensors_io.index_checkpoint(hf_dir)
+  hf = read_hf_config(hf_dir)
+  cfg = config_from_hf(hf, compute_dtype=dtype, param_dtype=param_dtype)
+  cfg = dataclasses.replace(cfg, stop_token_ids=stop_token_ids(hf_dir, hf) or cfg.stop_token_ids,
+                            mask_token_id=_first_set(cfg.mask_token_id, mask_token_id(hf_dir)))
+  cfg = dataclasses.replace(cfg, **(options or {}))
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  reader = safetensors_io.Reader(hf_dir)
   for spec in weight_specs(cfg):
     variable = _variable(model, spec.path)
     shape = tuple(variable.get_value().shape)
     hf_name = spec.hf_name
-    if hf_name not in entries and spec.path == ("head", "kernel") and cfg.tie_word_embeddings:
+    if hf_name not in reader and spec.path == ("head", "kernel") and cfg.tie_word_embeddings:
       hf_name = weight_specs(cfg)[0].hf_name  # tied checkpoints store the head as the embedding
-    if hf_name not in entries:
+    if hf_name not in reader:
       raise CheckpointError(f"missing tensor {hf_name!r} in {hf_dir}")
-    entry = entries[hf_name]
     want = shape[::-1] if spec.transpose else shape
-    if entry.shape != want:
-      raise CheckpointError(f"tensor {hf_name!r} has shape {entry.shape}, expected {want}")
-    host = entry.read()
-    if spec.transpose:
-      host = host.T
-    host = host.astype(param_dtype, copy=False)
+    if reader.shape(hf_name) != want:
+      raise CheckpointError(f"tensor {hf_name!r} has shape {reader.shape(hf_name)}, "
+                            f"expected {want}")
     if mesh is None:
-      value = jax.device_put(host)
+      host = reader.read(hf_name)
+      value = jax.device_put((host.T if spec.transpose else host).astype(param_dtype))
     else:
-      sharding = param_sharding(mesh, spec.logical_axes, shape, rules)
-      value = jax.make_array_from_callback(shape, sharding, lambda idx, h=host: h[idx])
+      value = safetensors_io.read_sharded(
+          reader, hf_name, transpose=spec.transpose, dtype=param_dtype,
+          sharding=param_sharding(mesh, spec.logical_axes, shape, rules))
     variable.set_value(value)
-    del host  # drop the host copy before the next tensor is read
   return model, cfg
 
 
-def export_pretrained(model: Transformer, out_dir: str, *, dtype: str | None = None,
-                      max_shard_bytes: int = 5 * 2**30, source_dir: str | None = None) -> None:
-  """Write `model` as Hugging Face safetensors + config.json (the head always untied).
+class ExportError(ValueError):
+  """An export target that would lose data (exists and is not empty)."""
 
-  `dtype` defaults to the parameter dtype (lossless); `source_dir` copies that checkpoint's other
-  files (tokenizer, remote code, config keys we do not model) so other tools can serve the result.
+
+def export_pretrained(model: Transformer, out_dir: str, *, dtype: str | None = None,
+                      max_shard_bytes: int = 5 * 2**30, source_dir: str | None = None,
+                      replace: bool = False) -> None:
+  """Write `model` as a Hugging Face directory: safetensors (sharded with an index above
+  `max_shard_bytes`, one tensor on the host at a time) + config.json, the head always untied.
+
+  `dtype` defaults to the parameter dtype (lossless). With `source_dir` (the checkpoint the run
+  started from) the result keeps that checkpoint's format: its config.json keys and every other
+  file (tokenizer, generation config, remote code) are carried over. Everything is written into
+  `out_dir + ".partial"`, renamed to `out_dir` at the end, so a killed export never looks complete.
+  A non-empty `out_dir` is refused unless `replace` (then it is swapped out only at the end).
   """
+  if os.path.isdir(out_dir) and os.listdir(out_dir) and not replace:
+    raise ExportError(f"export target {out_dir} exists and is not empty")
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise ExportError(f"export target {out_dir} exists and is not a directory")
   cfg = model.config
   dtype = np.dtype(dtype or cfg.param_dtype)
   specs = {s.hf_name: s for s in weight_specs(cfg)}
@@ -261,21 +337,37 @@ def export_pretrained(model: Transformer, out_dir: str, *, dtype: str | None = N
     host = np.asarray(jax.device_get(value))
     return host.T if specs[name].transpose else host
 
+  if jax.process_index() != 0:
+    for name, _, _ in tensors:  # every process joins the gathers
+      fetch(name)
+    return
+  partial = out_dir.rstrip("/") + ".partial"
+  shutil.rmtree(partial, ignore_errors=True)  # an earlier export killed half way
+  os.makedirs(partial)
   hf_config = config_to_hf(cfg)
+  hf_config["torch_dtype"] = hf_config["dtype"] = str(dtype)
+  if cfg.family == "llada":
+    del hf_config["dtype"]
   if source_dir is not None:
     for name in os.listdir(source_dir):
       src = os.path.join(source_dir, name)
       if (os.path.isfile(src) and not name.endswith(".safetensors")
           and name not in (safetensors_io.INDEX_FILE, "config.json")):
-        os.makedirs(out_dir, exist_ok=True)
-        shutil.copy(src, os.path.join(out_dir, name))
-    hf_config = {**read_hf_config(source_dir), **hf_config}
+        shutil.copy(src, os.path.join(partial, name))
+    source = read_hf_config(source_dir)
+    hf_config = {**source, **hf_config, "eos_token_id": source.get("eos_token_id")}
     if cfg.family == "llada":
       hf_config["weight_tying"] = False
-  if jax.process_index() == 0:
-    safetensors_io.write_checkpoint(out_dir, tensors, fetch, max_shard_bytes)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-      json.dump(hf_config, f, indent=2)
+    else:
+      hf_config["tie_word_embeddings"] = False
+  safetensors_io.write_checkpoint(partial, tensors, fetch, max_shard_bytes)
+  with open(os.path.join(partial, "config.json"), "w") as f:
+    json.dump(hf_config, f, indent=2)
+  if os.path.exists(out_dir):
+    old = out_dir.rstrip("/") + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(out_dir, old)
+    os.replace(partial, out_dir)
+    shutil.rmtree(old)
   else:
-    for name, _, _ in tensors:  # every process joins the gathers
-      fetch(name)
+    os.replace(partial, out_dir)

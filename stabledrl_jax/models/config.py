@@ -5,6 +5,20 @@ from typing import Callable
 FAMILIES = ("llada", "sdar")
 
 
+# What a rematerialised block saves for the backward pass (`jax.checkpoint_policies`): nothing
+# (the whole block is recomputed), every matmul output, or the matmuls without batch dimensions
+# (the projections, not the attention scores).
+REMAT_POLICIES = ("nothing", "dots", "dots_no_batch")
+ATTENTION_IMPLS = ("dense", "blockwise")
+RUNTIME_OPTIONS = {"remat": False, "remat_policy": "nothing", "attention_impl": "dense",
+                   "attention_tile": 512}
+
+
+def runtime_options(model_config_dict) -> dict:
+  """The execution options (not shapes) of a run config's `model` section, defaults filled in."""
+  return {k: model_config_dict.get(k, default) for k, default in RUNTIME_OPTIONS.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Everything the transformer and the checkpoint mapping need; hashable, so jit can close over it."""
@@ -31,12 +45,23 @@ class ModelConfig:
   param_dtype: str = "float32"
   compute_dtype: str = "bfloat16"
   remat: bool = False  # rematerialise each block in the backward pass
+  remat_policy: str = "nothing"  # with remat, what a block keeps: REMAT_POLICIES
+  attention_impl: str = "dense"  # "dense" (one masked softmax) or "blockwise" (key tiles)
+  attention_tile: int = 512  # key positions per tile of the blockwise attention
 
   def __post_init__(self):
     if self.family not in FAMILIES:
       raise ValueError(f"unknown model family {self.family!r}; expected one of {FAMILIES}")
     if self.n_heads % self.n_kv_heads:
       raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+    if self.remat_policy not in REMAT_POLICIES:
+      raise ValueError(f"unknown remat_policy {self.remat_policy!r}; expected one of "
+                       f"{REMAT_POLICIES}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"unknown attention_impl {self.attention_impl!r}; expected one of "
+                       f"{ATTENTION_IMPLS}")
+    if self.attention_tile < 1:
+      raise ValueError(f"attention_tile={self.attention_tile} must be >= 1")
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for rotate-half RoPE")
 

@@ -1,16 +1,22 @@
-"""Streaming safetensors reading and writing, one tensor at a time, bfloat16 included.
+"""Safetensors reading by slices (the `safetensors` library) and streaming writing.
 
 The format is an 8-byte little-endian header length, a JSON header (name -> dtype, shape, byte
-offsets) and the raw bytes. Reading a tensor seeks to its bytes and reads just those, so no
-file is ever mapped or held whole; the `safetensors` numpy backend cannot express bfloat16.
+offsets) and the raw bytes. Reading goes through `safe_open(..., framework="np")`, which maps the
+file and returns bfloat16 as `ml_dtypes.bfloat16`; `get_slice` copies only the requested slice, so
+only the pages under it are read from disk. The library's writer takes every tensor of a file at
+once; ours below calls `fetch` once per tensor, so one tensor at a time sits on the host.
 """
+import functools
 import json
 import os
 import struct
 from typing import Callable, Iterable
 
+import jax
 import ml_dtypes
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from safetensors import safe_open
 
 _DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
@@ -23,57 +29,102 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-class TensorEntry:
-  """Where one tensor's bytes live."""
-
-  def __init__(self, path: str, dtype: np.dtype, shape: tuple[int, ...], begin: int, end: int):
-    self.path, self.dtype, self.shape, self.begin, self.end = path, dtype, shape, begin, end
-
-  def read(self) -> np.ndarray:
-    """The tensor as a fresh host array (nothing else of the file is read)."""
-    out = np.empty(self.shape, self.dtype)
-    with open(self.path, "rb") as f:
-      f.seek(self.begin)
-      if f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != self.end - self.begin:
-        raise ValueError(f"truncated tensor data in {self.path}")
-    return out
-
-
-def read_header(path: str) -> dict[str, TensorEntry]:
-  """Tensor entries of one .safetensors file."""
-  with open(path, "rb") as f:
-    (n,) = struct.unpack("<Q", f.read(8))
-    header = json.loads(f.read(n))
-  entries = {}
-  for name, info in header.items():
-    if name == "__metadata__":
-      continue
-    if info["dtype"] not in _DTYPES:
-      raise ValueError(f"tensor {name!r} in {path} has unsupported dtype {info['dtype']}")
-    begin, end = info["data_offsets"]
-    entries[name] = TensorEntry(path, _DTYPES[info["dtype"]], tuple(info["shape"]),
-                                8 + n + begin, 8 + n + end)
-  return entries
-
-
-def index_checkpoint(hf_dir: str) -> dict[str, TensorEntry]:
-  """All tensors of `model.safetensors` or of the shards named by `model.safetensors.index.json`."""
+def checkpoint_files(hf_dir: str) -> list[str]:
+  """Paths of `model.safetensors` or of the shards named by `model.safetensors.index.json`."""
   index_path = os.path.join(hf_dir, INDEX_FILE)
   single_path = os.path.join(hf_dir, SINGLE_FILE)
   if os.path.exists(index_path):
     with open(index_path) as f:
-      files = sorted(set(json.load(f)["weight_map"].values()))
+      names = sorted(set(json.load(f)["weight_map"].values()))
   elif os.path.exists(single_path):
-    files = [SINGLE_FILE]
+    names = [SINGLE_FILE]
   else:
     raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {hf_dir}")
-  entries = {}
-  for name in files:
-    path = os.path.join(hf_dir, name)
+  paths = [os.path.join(hf_dir, name) for name in names]
+  for path in paths:
     if not os.path.exists(path):
       raise FileNotFoundError(f"checkpoint shard {path} (listed in {INDEX_FILE}) is missing")
-    entries.update(read_header(path))
-  return entries
+  return paths
+
+
+class Reader:
+  """Tensor names, shapes and slices of a checkpoint directory (one file or shards + index).
+
+  Each `read` maps the tensor's file only for the copy: a mapped page counts in the process's
+  resident memory while the map is open, so maps held across tensors would add the checkpoint's
+  size to the peak. Before the copy, the rows under the slice are asked for with
+  POSIX_FADV_WILLNEED: the page faults of the copy then find them cached and start no readahead,
+  which (up to `read_ahead_kb`, megabytes on some machines) would read the neighbouring rows
+  another process holds.
+  """
+
+  def __init__(self, hf_dir: str):
+    self._files, self._shapes, self._rows = {}, {}, {}  # name -> path, shape, (first byte, row bytes)
+    for path in checkpoint_files(hf_dir):
+      with open(path, "rb") as f:
+        (offset,) = struct.unpack("<Q", f.read(8))
+      offset += 8
+      with safe_open(path, framework="np") as f:
+        for name in f.offset_keys():  # the data are these tensors back to back, in this order
+          tensor = f.get_slice(name)
+          shape = tuple(tensor.get_shape())
+          itemsize = _DTYPES[tensor.get_dtype()].itemsize if tensor.get_dtype() in _DTYPES else 0
+          self._files[name], self._shapes[name] = path, shape
+          self._rows[name] = (offset, int(np.prod(shape[1:], dtype=np.int64)) * itemsize)
+          offset += int(np.prod(shape, dtype=np.int64)) * itemsize
+
+  def __contains__(self, name: str) -> bool:
+    return name in self._files
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return self._shapes[name]
+
+  def read(self, name: str, index: tuple | None = None) -> np.ndarray:
+    """The slice `index` (a tuple of slices, as `make_array_from_callback` passes) of a tensor;
+    the whole tensor by default. Only the rows under the slice are read from disk."""
+    index = tuple(index) if index is not None else ()
+    index += tuple(slice(None) for _ in self.shape(name)[len(index):])
+    if index:
+      first, last, _ = index[0].indices(self.shape(name)[0])
+      begin, row_bytes = self._rows[name]
+      if row_bytes and last > first:
+        fd = os.open(self._files[name], os.O_RDONLY)
+        try:
+          os.posix_fadvise(fd, begin + first * row_bytes, (last - first) * row_bytes,
+                           os.POSIX_FADV_WILLNEED)
+        finally:
+          os.close(fd)
+    with safe_open(self._files[name], framework="np") as f:
+      return f.get_slice(name)[index]
+
+
+@functools.lru_cache(maxsize=None)
+def _relayout(transpose: bool, dtype: str, sharding: NamedSharding):
+  return jax.jit(lambda x: (x.T if transpose else x).astype(dtype), out_shardings=sharding)
+
+
+def read_sharded(reader: Reader, name: str, *, transpose: bool, dtype: str,
+                 sharding: NamedSharding) -> jax.Array:
+  """Tensor `name` (transposed if asked, cast to `dtype`) as a global array with `sharding`.
+
+  On one process each device's block is read directly. Across processes a device's block is
+  often a column slice, and columns of a row-major tensor span every page of it, so every
+  process would read the whole tensor: instead each process reads a contiguous run of rows (its
+  1/processes share) and a compiled reshard moves the blocks to the devices that hold them.
+  """
+  hf_shape = reader.shape(name)
+  devices = sorted(sharding.device_set, key=lambda d: (d.process_index, d.id))
+  several = len({d.process_index for d in devices}) > 1
+  if several and hf_shape and hf_shape[0] % len(devices) == 0:
+    rows = NamedSharding(Mesh(np.array(devices), ("rows",)), PartitionSpec("rows"))
+    staged = jax.make_array_from_callback(hf_shape, rows, lambda idx: reader.read(name, idx))
+    return _relayout(transpose, dtype, sharding)(staged)
+
+  def block(idx):
+    host = reader.read(name, tuple(idx)[::-1] if transpose else tuple(idx))
+    return (host.T if transpose else host).astype(dtype, copy=False)
+  shape = hf_shape[::-1] if transpose else hf_shape
+  return jax.make_array_from_callback(shape, sharding, block)
 
 
 def write_checkpoint(out_dir: str, tensors: list[tuple[str, tuple[int, ...], np.dtype]],

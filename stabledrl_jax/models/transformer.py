@@ -4,12 +4,15 @@ Float32 parameters, `config.compute_dtype` activations, float32 logits. Entry po
 `logits` (full / block-causal), `staircase_logits` (dual stream, docs/method.md §4) and `cached_logits`
 with a preallocated `KVCache` (SDAR block decoding, docs/method.md §5).
 """
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from stabledrl_jax.models import attention as attn_lib
+from stabledrl_jax.models.blockwise_attention import blockwise_attention
 from stabledrl_jax.models.config import ModelConfig
 
 _INIT = nnx.initializers.normal(0.02)
@@ -55,6 +58,7 @@ class Attention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    self.attention_tile = cfg.attention_tile
     self.q_proj = _linear(cfg.d_model, cfg.n_heads * cfg.head_dim, cfg, rngs)
     self.k_proj = _linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg, rngs)
     self.v_proj = _linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg, rngs)
@@ -81,7 +85,12 @@ class Attention(nnx.Module):
       k_BxSxKxH = jnp.concatenate([past_k.astype(k_BxTxKxH.dtype), k_BxTxKxH], axis=1)
       v_BxSxKxH = jnp.concatenate([past_v.astype(v_BxTxKxH.dtype), v_BxTxKxH], axis=1)
     # GQA is native here: K/V with fewer heads are broadcast over each query group.
-    out_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask_Bx1xTxS)
+    if isinstance(mask_Bx1xTxS, attn_lib.MaskParts):  # attention_impl="blockwise"
+      out_BxTxNxH = blockwise_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_Bx1xTxS,
+                                        self.attention_tile)
+    else:
+      out_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH,
+                                                 mask=mask_Bx1xTxS)
     out_MxD = self.o_proj(out_BxTxNxH.reshape(b * t, self.n_heads * self.head_dim))
     return out_MxD.reshape(b, t, d), new_kv
 
@@ -110,13 +119,18 @@ def _run_block(block: Block, x, cos, sin, mask, past_kv):
   return block(x, cos, sin, mask, past_kv)
 
 
-def _run_block_remat(block: Block, x, cos, sin, mask, past_kv):
+_POLICIES = {"nothing": jax.checkpoint_policies.nothing_saveable,
+             "dots": jax.checkpoint_policies.checkpoint_dots,
+             "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def _run_block_remat(block: Block, x, cos, sin, mask, past_kv, policy: str = "nothing"):
   """`_run_block` under `jax.checkpoint` (activations recomputed in the backward pass). The block
   goes in as a pure state, so this also works inside `lax` loops (the samplers), where
   `nnx.remat` cannot update the module from another trace level."""
   graphdef, state = nnx.split(block)
 
-  @jax.checkpoint
+  @functools.partial(jax.checkpoint, policy=_POLICIES[policy])
   def run(state, x, cos, sin, mask, past_kv):
     return nnx.merge(graphdef, state)(x, cos, sin, mask, past_kv)
 
@@ -165,13 +179,18 @@ class Transformer(nnx.Module):
     cfg = self.config
     x_BxTxD = self.embed(ids_BxT)
     cos, sin = rope_cos_sin(positions_BxT, cfg.head_dim, cfg.rope_theta)
-    run = _run_block_remat if cfg.remat else _run_block
+    run = (functools.partial(_run_block_remat, policy=cfg.remat_policy) if cfg.remat
+           else _run_block)
     new_kvs = []
     for i, block in enumerate(self.blocks):
       past_kv = None if past is None else past[i]
       x_BxTxD, kv = run(block, x_BxTxD, cos, sin, mask_Bx1xTxS, past_kv)
       new_kvs.append(kv)
     return self.final_norm(x_BxTxD), new_kvs
+
+  def _mask(self, parts: attn_lib.MaskParts):
+    """The dense mask, or with `attention_impl="blockwise"` its parts (tiles built on the fly)."""
+    return parts if self.config.attention_impl == "blockwise" else parts.mask()
 
   def _head(self, h_BxTxD: jax.Array) -> jax.Array:
     kernel_DxV = self.head.kernel[...]
@@ -197,12 +216,12 @@ class Transformer(nnx.Module):
     b, l = input_ids_BxL.shape
     positions_BxL = _positions(positions, b, l)
     if attention == "full":
-      mask = attn_lib.full_mask(l, valid_BxL)
+      mask = self._mask(attn_lib.full_parts(l, valid_BxL))
     elif attention == "block_causal":
       block_size = block_size or self.config.block_size
       if block_size is None:
         raise ValueError("attention='block_causal' needs block_size (config has none)")
-      mask = attn_lib.block_causal_mask(positions_BxL, block_size, valid_BxL)
+      mask = self._mask(attn_lib.block_causal_parts(positions_BxL, block_size, valid_BxL))
     else:
       raise ValueError(f"unknown attention {attention!r}; expected 'full' or 'block_causal'")
     h_BxLxD, _ = self._trunk(input_ids_BxL, positions_BxL, mask)
@@ -221,7 +240,7 @@ class Transformer(nnx.Module):
       raise ValueError("staircase attention needs block_size (config has none)")
     b, n = noisy_ids_BxN.shape
     positions_BxN = _positions(positions, b, n)
-    mask = attn_lib.staircase_mask(positions_BxN, block_size, valid_BxN)
+    mask = self._mask(attn_lib.staircase_parts(positions_BxN, block_size, valid_BxN))
     ids_Bx2N = jnp.concatenate([noisy_ids_BxN, clean_ids_BxN], axis=1)
     positions_Bx2N = jnp.concatenate([positions_BxN, positions_BxN], axis=1)
     h_Bx2NxD, _ = self._trunk(ids_Bx2N, positions_Bx2N, mask)

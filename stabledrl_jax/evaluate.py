@@ -1,0 +1,147 @@
+r"""Evaluate a checkpoint on its task's test split:
+
+  python -m stabledrl_jax.evaluate --config=configs/llada.py:8b \
+      --config.model.checkpoint=/path/to/LLaDA-8B-Instruct --config.task.source_dir=/data/gsm8k
+  python -m stabledrl_jax.evaluate --from_workdir=runs/llada_8b [--step=N] --num_samples=4
+
+Decodes with the config's sampler, greedily unless `--num_samples` > 1 (then at
+`sampler.temperature`, or `--temperature`), writes `eval_<name>.jsonl` (one row per example:
+prompt, completions, extracted answers, rewards, correct) and prints accuracy (the mean over all
+samples), pass@k, mean completion length, wall time and generated tokens/s.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+from absl import flags
+
+from stabledrl_jax import cli, config_lib, distributed, rl, sharding
+from stabledrl_jax import tasks
+from stabledrl_jax.tasks import datasets, pipeline
+
+def define_flags() -> None:
+  cli.define_policy_flags()
+  flags.DEFINE_integer("num_samples", 1, "Completions per example (pass@k).")
+  flags.DEFINE_integer("max_examples", None, "Evaluate the first N test examples.")
+  flags.DEFINE_float("temperature", None, "Sampling temperature (default: 0 for one sample, "
+                     "else sampler.temperature).")
+  flags.DEFINE_string("name", None, "eval_<name>.jsonl (default: from the checkpoint/step).")
+  flags.DEFINE_string("output_dir", None, "Where eval_<name>.jsonl goes (default: the workdir, "
+                      "or the current directory).")
+
+
+def test_examples(c, task, data_dir: str) -> list:
+  """The config's task test split, as `main` reads it."""
+  kwargs = dict(data_dir=c.task.data_dir or data_dir, source=c.task.source)
+  if c.task.source == "local":
+    kwargs["source_dir"] = c.task.source_dir
+  elif c.task.source == "generated":
+    kwargs.update(num_train=c.task.num_train, num_test=c.task.num_test, seed=c.seed)
+    if c.task.name == "sudoku":
+      kwargs["blanks"] = c.task.blanks
+  source = datasets.load_source(task, "test", **kwargs)
+  return [source[i] for i in range(len(source))]
+
+
+def summarize(correct_NxK: np.ndarray, lengths_NxK: np.ndarray, wall: float) -> dict:
+  """Accuracy over every sample, pass@k (any of an example's k correct), lengths, throughput."""
+  return {"num_examples": int(correct_NxK.shape[0]), "num_samples": int(correct_NxK.shape[1]),
+          "accuracy": float(correct_NxK.mean()), "pass_at_k": float(correct_NxK.any(1).mean()),
+          "mean_completion_length": float(lengths_NxK.mean()), "wall_s": wall,
+          "tokens_per_s": float(lengths_NxK.sum()) / max(wall, 1e-9)}
+
+
+def progress(done: int, total: int, tokens: int, t0: float) -> None:
+  if not distributed.is_main():
+    return
+  wall = time.time() - t0
+  eta = wall / max(done, 1) * (total - done)
+  bar = "#" * (30 * done // max(total, 1))
+  print(f"\r[{bar:<30}] {done}/{total} examples, {tokens / max(wall, 1e-9):.1f} tok/s, "
+        f"ETA {eta:.0f}s", end="" if done < total else "\n", file=sys.stderr, flush=True)
+
+
+def run(c, task, model, tokenizer, examples: list, k: int, temperature: float,
+        out_path: str) -> dict:
+  reward_fn = task.reward_fn(dict(c.task.reward_weights))
+  sampling = config_lib.sampling(c, temperature)
+  stops = model.config.stop_token_ids
+  per_batch = max(1, c.eval.batch_size // k)
+  rows, correct, lengths, tokens, t0 = [], [], [], 0, time.time()
+  for lo in range(0, len(examples), per_batch):
+    exs = examples[lo:lo + per_batch]
+    enc = pipeline.encode_prompts(task, exs, tokenizer, max_prompt_len=c.task.max_prompt_len,
+                                  style=c.task.prompt_style, chat=c.task.chat)
+    ids = np.repeat(enc["prompt_ids_BxP"], k, axis=0)
+    mask = np.repeat(enc["prompt_mask_BxP"], k, axis=0)
+    rollout = rl.generate(model, ids, mask, jax.random.fold_in(jax.random.key(c.seed), lo),
+                             sampling)
+    texts = pipeline.decode_completions(tokenizer, sharding.to_host(rollout.completion_BxC), stops)
+    lens = sharding.to_host(rollout.lengths_B).reshape(len(exs), k)
+    for i, ex in enumerate(exs):
+      outs = texts[i * k:(i + 1) * k]
+      ok = [bool(task.is_correct(t, ex)) for t in outs]
+      correct.append(ok)
+      lengths.append(lens[i].tolist())
+      rows.append({"prompt": pipeline.prompt_text(task, ex, style=c.task.prompt_style,
+                                                  chat_tokenizer=tokenizer if c.task.chat else None),
+                   "completions": outs, "answers": [_jsonable(task.extract_answer(t)) for t in outs],
+                   "rewards": [float(reward_fn(t, ex)) for t in outs], "correct": ok})
+    tokens += int(lens.sum())
+    progress(lo + len(exs), len(examples), tokens, t0)
+  summary = summarize(np.array(correct), np.array(lengths), time.time() - t0)
+  if distributed.is_main():
+    with open(out_path, "w") as f:
+      for row in rows:
+        f.write(json.dumps(row) + "\n")
+  return summary
+
+
+def _jsonable(value):
+  try:
+    json.dumps(value)
+    return value
+  except TypeError:
+    return str(value)
+
+
+def main(argv):
+  c, workdir = cli.setup(argv)
+  f = flags.FLAGS
+  if f.num_samples < 1:
+    cli.fail(f"--num_samples={f.num_samples}: must be >= 1")
+  out_dir = f.output_dir or workdir or "."
+  try:
+    model, tokenizer, step = cli.load_policy(c, workdir, f.step)
+    task = tasks.from_config(c.task)
+    examples = test_examples(c, task, os.path.join(out_dir, "data"))
+  except (cli.PolicyError, ValueError, KeyError, OSError) as e:
+    cli.fail(str(e).strip("'\""))
+  if f.max_examples:
+    examples = examples[:f.max_examples]
+  k = f.num_samples
+  temperature = f.temperature
+  if temperature is None:
+    temperature = 0.0 if k == 1 else c.sampler.temperature
+  name = f.name or (f"step{step}" if step is not None else
+                         os.path.basename(os.path.normpath(c.model.checkpoint or "init")))
+  out_path = os.path.join(out_dir, f"eval_{name}.jsonl")
+  os.makedirs(out_dir, exist_ok=True)
+  try:
+    s = run(c, task, model, tokenizer, examples, k, temperature, out_path)
+  except (ValueError, KeyError) as e:  # e.g. a prompt longer than task.max_prompt_len
+    cli.fail(str(e).strip("'\""))
+  distributed.log(
+      f"{task.name} test, {s['num_examples']} examples x {k}: accuracy {s['accuracy']:.4f}, "
+      f"pass@{k} {s['pass_at_k']:.4f}, mean completion length {s['mean_completion_length']:.1f} "
+      f"tokens, {s['wall_s']:.1f}s, {s['tokens_per_s']:.1f} generated tokens/s -> {out_path}")
+
+
+if __name__ == "__main__":
+  define_flags()
+  cli.start(main)

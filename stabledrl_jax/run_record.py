@@ -1,0 +1,96 @@
+"""WORKDIR/config.json: the resolved config of a run, written before its first step.
+
+A rerun in the same workdir is compared with it key by key. Every change is printed with its old
+and new value; a change the saved state cannot follow (model shapes, family, task, tokenizer,
+seed, group size, ...) stops the run with that one-line list before anything is loaded. Safe
+changes (more RL steps, evaluation, logging, checkpointing, detectors, controls, the mesh) resume
+and are appended to WORKDIR/config_changes.jsonl.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+CONFIG_FILE = "config.json"
+CHANGES_FILE = "config_changes.jsonl"
+# Keys (or sections, ending in ".") a resumed run can take from the new config.
+RESUMABLE = ("rl.steps", "eval.", "log_every", "checkpoint.", "stability.", "controls.", "mesh.",
+             "rollout_mesh.", "task.data_dir", "task.source_dir", "model.remat")
+
+
+class ConfigChangeError(ValueError):
+  """A rerun whose config cannot resume the saved run."""
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+  """{"a": {"b": 1}} -> {"a.b": 1}."""
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict) and value:
+      out.update(flatten(value, f"{prefix}{key}."))
+    else:
+      out[prefix + key] = value
+  return out
+
+
+def changes(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+  """(key, old, new) for every flattened key that differs, sorted; a missing side is None."""
+  a, b = flatten(old), flatten(new)
+  return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def resumable(key: str) -> bool:
+  return any(key == r or (r.endswith(".") and key.startswith(r)) for r in RESUMABLE)
+
+
+def describe(diff: list[tuple[str, Any, Any]]) -> str:
+  return ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in diff)
+
+
+def read(workdir: str) -> dict[str, Any] | None:
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def write(workdir: str, config: dict[str, Any]) -> None:
+  """Atomic: a killed write leaves the previous config.json."""
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, CONFIG_FILE)
+  with open(path + ".tmp", "w") as f:
+    json.dump(config, f, indent=2, sort_keys=True)
+  os.replace(path + ".tmp", path)
+
+
+def check(config: dict[str, Any], workdir: str, *, has_checkpoint: bool,
+          main_process: bool = True) -> list[str]:
+  """Compare `config` with the workdir's record and record it; returns the lines to print.
+
+  Raises `ConfigChangeError` (one line listing the non-resumable changes) when the workdir holds
+  a checkpoint the new config cannot resume; nothing is written then.
+  """
+  old = read(workdir)
+  diff = changes(old, config) if old is not None else []
+  if diff and has_checkpoint:
+    refused = [d for d in diff if not resumable(d[0])]
+    if refused:
+      raise ConfigChangeError(
+          f"{os.path.join(workdir, CONFIG_FILE)}: cannot resume with changed {describe(refused)} "
+          "(use a new --workdir, or undo these overrides)")
+  lines = [f"config changed since the last run: {k}: {a!r} -> {b!r}" for k, a, b in diff]
+  if main_process:
+    if diff:
+      with open(os.path.join(workdir, CHANGES_FILE), "a") as f:
+        f.write(json.dumps({"changes": [[k, a, b] for k, a, b in diff]}) + "\n")
+    if diff or old is None:
+      write(workdir, config)
+  return lines
+
+
+def has_checkpoint(workdir: str) -> bool:
+  """Whether the run saved a step (Orbax names each step's directory by its number)."""
+  path = os.path.join(workdir, "checkpoints")
+  return os.path.isdir(path) and any(name.isdigit() for name in os.listdir(path))

@@ -1,0 +1,86 @@
+"""Blockwise attention equals the dense masked attention of `jax.nn.dot_product_attention`
+(staircase, block-causal, full, padded rows; forward and gradients), and the transformer's
+`attention_impl="blockwise"` equals its dense path."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from stabledrl_jax import models
+from stabledrl_jax.models import attention as attn_lib
+from stabledrl_jax.models.blockwise_attention import blockwise_attention
+
+
+def _inputs(b, t, n, kh, h, seed=0):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+  q = jax.random.normal(ks[0], (b, t, n, h))
+  k = jax.random.normal(ks[1], (b, t, kh, h))
+  v = jax.random.normal(ks[2], (b, t, kh, h))
+  w = jax.random.normal(ks[3], (b, t, n, h))  # a random cotangent for the gradients
+  return q, k, v, w
+
+
+def _left_padded(b, length, pads):
+  return jnp.asarray([[i >= p for i in range(length)] for p in pads[:b]])
+
+
+N_BLOCK, BLOCK = 10, 4
+CASES = {
+    "staircase": lambda v: attn_lib.staircase_parts(jnp.arange(N_BLOCK), BLOCK, v),
+    "block_causal": lambda v: attn_lib.block_causal_parts(jnp.arange(2 * N_BLOCK), BLOCK, v),
+    "causal": lambda v: attn_lib.block_causal_parts(jnp.arange(2 * N_BLOCK), 1, v),
+    "full": lambda v: attn_lib.full_parts(2 * N_BLOCK, v),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("padded", [False, True])
+def test_equals_dense_forward_and_gradient(case, padded, tile=3):  # tiles that do not divide S
+  b, t, n, kh, h = 2, 2 * N_BLOCK, 4, 2, 8
+  valid = None
+  if padded:  # left padding; in the staircase both halves are padded, and row 1 has whole
+    # padding blocks, so some of its query rows see no key at all
+    valid = _left_padded(b, N_BLOCK if case == "staircase" else t, [3, 9])
+  parts = CASES[case](valid)
+  q, k, v, w = _inputs(b, t, n, kh, h)
+  mask = parts.mask()
+  if padded and case != "full":
+    assert not bool(mask.any(-1).all())  # the fully masked rows are really there
+
+  def dense(q, k, v):
+    return jnp.sum(jax.nn.dot_product_attention(q, k, v, mask=mask) * w)
+
+  def blockwise(q, k, v):
+    return jnp.sum(blockwise_attention(q, k, v, parts, tile) * w)
+
+  want = jax.nn.dot_product_attention(q, k, v, mask=mask)
+  got = jax.jit(blockwise_attention, static_argnums=4)(q, k, v, parts, tile)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  for g_got, g_want in zip(jax.jit(jax.grad(blockwise, (0, 1, 2)))(q, k, v),
+                           jax.grad(dense, (0, 1, 2))(q, k, v)):
+    np.testing.assert_allclose(np.asarray(g_got), np.asarray(g_want), rtol=1e-4, atol=1e-5)
+
+
+def test_the_staircase_mask_is_not_materialised():
+  q, k, v, _ = _inputs(1, 2 * N_BLOCK, 4, 2, 8)
+  parts = attn_lib.staircase_parts(jnp.arange(N_BLOCK), BLOCK)
+  jaxpr = str(jax.make_jaxpr(lambda q, k, v: blockwise_attention(q, k, v, parts, 4))(q, k, v))
+  t = 2 * N_BLOCK
+  assert f"{t},{t}]" not in jaxpr.replace(" ", "")  # no [.., T, S] score or mask array
+
+
+def test_transformer_blockwise_equals_dense():
+  ids = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 4, 100)
+  valid = _left_padded(2, 12, [0, 5])
+  for family in ("llada", "sdar"):
+    extra = dict(family="llada", qk_norm=False, block_size=None) if family == "llada" else {}
+    dense = models.create(models.tiny(compute_dtype="float32", **extra), seed=2)
+    tiled = models.create(models.tiny(compute_dtype="float32", attention_impl="blockwise",
+                                      attention_tile=5, **extra), seed=2)
+    runs = [lambda m: m.logits(ids, attention="full", valid_BxL=valid)]
+    if family == "sdar":
+      runs += [lambda m: m.logits(ids, attention="block_causal", valid_BxL=valid),
+               lambda m: m.staircase_logits(ids, ids[:, ::-1], valid_BxN=valid)]
+    for run in runs:
+      np.testing.assert_allclose(np.asarray(run(tiled)), np.asarray(run(dense)), rtol=1e-5,
+                                 atol=1e-5)

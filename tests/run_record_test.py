@@ -1,0 +1,69 @@
+"""WORKDIR/config.json: change listing, refusal of non-resumable changes, recording safe ones."""
+import json
+import os
+
+import pytest
+
+from stabledrl_jax import controls, run_record
+
+BASE = {"seed": 0, "model": {"d_model": 64, "n_layers": 2}, "rl": {"steps": 4, "group_size": 8},
+        "eval": {"every": 10}, "stability": {"clip_band": False}}
+
+
+def _with(**changes):
+  out = json.loads(json.dumps(BASE))
+  for key, value in changes.items():
+    section, name = key.split("__") if "__" in key else (None, key)
+    (out[section] if section else out)[name] = value
+  return out
+
+
+def test_first_run_records_the_config(tmp_path):
+  assert run_record.check(BASE, str(tmp_path), has_checkpoint=False) == []
+  assert json.load(open(tmp_path / "config.json")) == BASE
+
+
+def test_safe_changes_resume_and_are_recorded(tmp_path):
+  run_record.check(BASE, str(tmp_path), has_checkpoint=True)
+  new = _with(rl__steps=6, eval__every=2, stability__clip_band=True)
+  lines = run_record.check(new, str(tmp_path), has_checkpoint=True)
+  assert lines == ["config changed since the last run: eval.every: 10 -> 2",
+                   "config changed since the last run: rl.steps: 4 -> 6",
+                   "config changed since the last run: stability.clip_band: False -> True"]
+  assert json.load(open(tmp_path / "config.json")) == new
+  (record,) = [json.loads(l) for l in open(tmp_path / "config_changes.jsonl")]
+  assert record["changes"][1] == ["rl.steps", 4, 6]
+
+
+@pytest.mark.parametrize("key,value", [("model__d_model", 96), ("seed", 1),
+                                       ("rl__group_size", 4)])
+def test_unsafe_change_is_refused_in_one_line_and_nothing_written(tmp_path, key, value):
+  run_record.check(BASE, str(tmp_path), has_checkpoint=True)
+  with pytest.raises(run_record.ConfigChangeError) as e:
+    run_record.check(_with(**{key: value}, rl__steps=9), str(tmp_path), has_checkpoint=True)
+  message = str(e.value)
+  assert "\n" not in message and key.replace("__", ".") in message and "rl.steps" not in message
+  assert json.load(open(tmp_path / "config.json")) == BASE
+  assert not os.path.exists(tmp_path / "config_changes.jsonl")
+
+
+def test_without_a_checkpoint_any_change_is_taken(tmp_path):
+  run_record.check(BASE, str(tmp_path), has_checkpoint=False)
+  lines = run_record.check(_with(seed=3), str(tmp_path), has_checkpoint=False)
+  assert lines == ["config changed since the last run: seed: 0 -> 3"]
+
+
+def test_has_checkpoint_reads_step_directories(tmp_path):
+  assert not run_record.has_checkpoint(str(tmp_path))
+  os.makedirs(tmp_path / "checkpoints" / "7")
+  assert run_record.has_checkpoint(str(tmp_path))
+
+
+def test_detector_switched_on_after_the_checkpoint_starts_fresh():
+  off = controls.StabilityMonitor(controls.MonitorConfig(clip_band=False))
+  on = controls.StabilityMonitor(controls.MonitorConfig(clip_band=True))
+  assert "clip_band" in on.state_dict() and "clip_band" not in off.state_dict()
+  on.load_state_dict(off.state_dict())  # a checkpoint from before the switch
+  assert on.state_dict()["clip_band"] == controls.StabilityMonitor(
+      controls.MonitorConfig(clip_band=True)).state_dict()["clip_band"]
+

@@ -1,0 +1,66 @@
+"""Execution options (remat policies, blockwise attention) leave one RL step's loss and
+parameters equal to the default's, on the tiny model sharded over 8 fake CPU devices."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from stabledrl_jax import likelihood, models, rl, sharding
+
+OPTIONS = {
+    "remat_dots": dict(remat=True, remat_policy="dots"),
+    "remat_dots_no_batch": dict(remat=True, remat_policy="dots_no_batch"),
+    "blockwise": dict(attention_impl="blockwise", attention_tile=5),  # 5 does not divide 2N = 24
+}
+
+
+def one_rl_step(**options):
+  assert len(jax.devices()) == 8
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  cfg = models.tiny(vocab_size=40, mask_token_id=3, eos_token_id=2, pad_token_id=0,
+                    stop_token_ids=(2,), compute_dtype="float32", **options)
+  model = sharding.create_model(cfg, 0, mesh)
+  # Plain SGD at lr 1: the parameter change is the gradient (Adam's first step, ~lr * sign(g),
+  # would turn float noise in a near-zero gradient entry into a whole step).
+  opt = nnx.Optimizer(model, optax.chain(optax.sgd(1.0)),
+                      wrt=nnx.Param)
+  obj = rl.Objective(group_size=2, scheme="block_t", num_samples=2, block_size=4, staircase=True)
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(4, 40, size=(4, 12)), jnp.int32)
+  completion = jnp.broadcast_to(jnp.arange(12) >= 4, (4, 12))
+  valid = jnp.asarray(np.arange(12)[None] >= np.array([[0], [0], [2], [3]]))  # left padding
+  seqs = likelihood.Sequences(tokens, jnp.broadcast_to(jnp.arange(12), (4, 12)), valid,
+                              ~completion & valid, completion, completion)
+  seqs = sharding.shard_batch(seqs, mesh)
+  batch, _ = rl.behaviour_pass(model, None, seqs, jnp.array([1.0, -1.0, 0.5, -0.5]),
+                                  jax.random.key(1), obj)
+  out = rl.update(model, opt, batch, jax.random.key(2), obj=obj, accumulation=2)
+  params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  return float(out["loss"]), float(out["grad_norm"]), params
+
+
+@pytest.fixture(scope="module")
+def default_step():
+  return one_rl_step()
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_option_leaves_one_rl_step_unchanged(name, default_step):
+  loss, grad_norm, params = one_rl_step(**OPTIONS[name])
+  want_loss, want_norm, want_params = default_step
+  assert want_norm > 0
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(grad_norm, want_norm, rtol=1e-4)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params,
+               want_params)
+
+
+def test_unknown_options_are_named():
+  with pytest.raises(ValueError, match="remat_policy 'everything'"):
+    models.tiny(remat_policy="everything")
+  with pytest.raises(ValueError, match="attention_impl 'flash'"):
+    models.tiny(attention_impl="flash")
+  with pytest.raises(ValueError, match="attention_tile=0"):
+    models.tiny(attention_tile=0)
