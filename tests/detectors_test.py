@@ -143,3 +143,10 @@ def test_should_stop_only_when_configured():
   assert not detectors.StabilityMonitor(monitor_config()).should_stop(e)
   stop = detectors.StabilityMonitor(monitor_config(stop_on_event=True))
   assert stop.should_stop(e) and not stop.should_stop([])
+
+
+def test_detector_switched_on_after_the_checkpoint_starts_fresh():
+  off, on = monitor(clip_band=False), monitor(clip_band=True)
+  assert "clip_band" in on.state_dict() and "clip_band" not in off.state_dict()
+  on.load_state_dict(off.state_dict())  # a checkpoint from before the switch
+  assert on.state_dict()["clip_band"] == monitor(clip_band=True).state_dict()["clip_band"]

@@ -1,5 +1,7 @@
 """Execution options (remat policies, blockwise attention) leave one RL step's loss and
 parameters equal to the default's, on the tiny model sharded over 8 fake CPU devices."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
-from stabledrl_jax import likelihood, models, rl, sharding
+from stabledrl_jax import config_lib, likelihood, models, rl, sharding
 
 OPTIONS = {
     "remat_dots": dict(remat=True, remat_policy="dots"),
@@ -26,7 +28,9 @@ def one_rl_step(**options):
   # would turn float noise in a near-zero gradient entry into a whole step).
   opt = nnx.Optimizer(model, optax.chain(optax.sgd(1.0)),
                       wrt=nnx.Param)
-  obj = rl.Objective(group_size=2, scheme="block_t", num_samples=2, block_size=4, staircase=True)
+  obj = dataclasses.replace(config_lib.settings(config_lib.base_config("sdar")).objective,
+                            group_size=2, scheme="block_t", num_samples=2, block_size=4,
+                            staircase=True)
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(4, 40, size=(4, 12)), jnp.int32)
   completion = jnp.broadcast_to(jnp.arange(12) >= 4, (4, 12))
