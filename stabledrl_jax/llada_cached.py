@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from stabledrl_jax import decoding
 from stabledrl_jax import samplers as S
 
 Array = jax.Array
@@ -56,8 +57,8 @@ def _slice(x, start, size):
 def _generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: S.LLaDASampling) -> S.Rollout:
   cfg = model.config
   mask_id = cfg.mask_token_id
-  stop_ids = S._stop_ids(cfg, sampling.stop_ids)
-  pad_id = S._pad_id(cfg, sampling.pad_id, stop_ids)
+  stop_ids = decoding.resolve_stop_ids(cfg, sampling.stop_ids)
+  pad_id = decoding.resolve_pad_id(cfg, sampling.pad_id, stop_ids)
   b, p = prompt_BxP.shape
   g, bl = sampling.gen_length, sampling.block_length
   num_blocks = g // bl
@@ -105,13 +106,13 @@ def _generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: S.LLaDASamplin
   def decode(logits_BxKxV, x_BxL, when_BxL, start, s, i, schedule_BxS):
     block_BxK = _slice(x_BxL, start, bl)
     still_masked = block_BxK == mask_id
-    x0_BxK, conf_BxK = S.choose_tokens(S._forbid(logits_BxKxV, mask_id), key, s,
-                                       sampling.temperature, sampling.remasking)
+    x0_BxK, conf_BxK = decoding.choose_tokens(decoding.forbid(logits_BxKxV, mask_id), key, s,
+                                              sampling.temperature, sampling.remasking)
     if sampling.threshold is None:
       k_B = schedule_BxS[:, i]
     else:
-      k_B = S.min_commits(jnp.sum(still_masked, -1), spb - i)
-    commit = S.confident_commit(conf_BxK, still_masked, k_B, sampling.threshold)
+      k_B = decoding.min_commits(jnp.sum(still_masked, -1), spb - i)
+    commit = decoding.confident_commit(conf_BxK, still_masked, k_B, sampling.threshold)
     block_BxK = jnp.where(commit, x0_BxK, block_BxK)
     when_BxK = jnp.where(commit, s, _slice(when_BxL, start, bl))
     return (jax.lax.dynamic_update_slice_in_dim(x_BxL, block_BxK, start, axis=1),
@@ -120,7 +121,7 @@ def _generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: S.LLaDASamplin
   def block(j, carry):
     x, when, forwards, forward_tokens = carry
     start = p + j * bl
-    schedule_BxS = S.commit_schedule(jnp.sum(_slice(x, start, bl) == mask_id, -1), spb)
+    schedule_BxS = decoding.commit_schedule(jnp.sum(_slice(x, start, bl) == mask_id, -1), spb)
     logits, kv = full_forward(x, start)
     x, when = decode(logits, x, when, start, j * spb, 0, schedule_BxS)
 
@@ -146,8 +147,8 @@ def _generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: S.LLaDASamplin
     carry = jax.lax.fori_loop(0, num_blocks, block, carry)
   tokens, when, forwards, forward_tokens = carry
   generated = jnp.zeros_like(valid).at[:, p:].set(True)
-  return S._finish(tokens, positions, valid, prompt_mask, generated, jnp.full((b,), p, jnp.int32),
-                   g, stop_ids, pad_id, when, forwards, forward_tokens)
+  return S.finish(tokens, positions, valid, prompt_mask, generated, jnp.full((b,), p, jnp.int32),
+                  g, stop_ids, pad_id, when, forwards, forward_tokens)
 
 
 # ----------------------------------------------------------------------------- step log

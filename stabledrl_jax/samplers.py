@@ -16,7 +16,7 @@ The mask token is never a candidate token (its logit is set to -inf before the c
 
 Random numbers. The draw for decoding step `s` (counted from 0 across all blocks) comes from
 `jax.random.fold_in(key, s)`, shaped like the current block's logits `[B, block, V]` (its first
-half for the token choice, see `_uniforms`), so a reference loop can reproduce every draw.
+half for the token choice, see `decoding.uniforms`), so a reference loop can reproduce every draw.
 """
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from stabledrl_jax import decoding
 
 Array = jax.Array
 
@@ -45,103 +47,6 @@ class Rollout(NamedTuple):
   forward_tokens_B: Array    # int32 tokens those forwards processed for the row
 
 
-# ----------------------------------------------------------------------------- shared pieces
-
-
-def commit_schedule(num_masked_B: Array, steps: int) -> Array:
-  """Tokens to commit at each of `steps` steps, `[B, steps]`: ⌊n/steps⌋, +1 for the first n mod steps."""
-  n = num_masked_B.astype(jnp.int32)[:, None]
-  s = jnp.arange(steps, dtype=jnp.int32)[None, :]
-  return n // steps + (s < n % steps).astype(jnp.int32)
-
-
-def _uniforms(key: Array, step: Array, shape: tuple[int, ...]) -> tuple[Array, Array]:
-  """Two independent U(0,1) draws of `shape` for decoding step `step` (token choice, confidence)."""
-  u = jax.random.uniform(jax.random.fold_in(key, step), (2, *shape), jnp.float32,
-                         minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
-  return u[0], u[1]
-
-
-def gumbel_argmax(logits_BxLxV: Array, temperature: float, u_BxLxV: Array) -> Array:
-  """LLaDA's `argmax(exp(logits) / (-log u)^τ)`, in log space: `argmax(logits - τ log(-log u))`.
-
-  The log form picks the same token without overflowing `exp` in float32; `τ = 0` is greedy.
-  """
-  logits = logits_BxLxV.astype(jnp.float32)
-  if temperature > 0:
-    logits = logits - temperature * jnp.log(-jnp.log(u_BxLxV))
-  return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-
-def filter_logits(logits_BxLxV: Array, *, top_k: int = 0, top_p: float = 1.0) -> Array:
-  """Top-k then top-p (nucleus) filtering: filtered entries become -inf."""
-  logits = logits_BxLxV.astype(jnp.float32)
-  if top_k > 0:
-    kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
-    logits = jnp.where(logits < kth, -jnp.inf, logits)
-  if top_p < 1.0:
-    sorted_desc = -jnp.sort(-logits, axis=-1)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the token that crosses it included).
-    kept = jnp.sum((jnp.cumsum(probs, axis=-1) - probs) < top_p, axis=-1, keepdims=True)
-    cutoff = jnp.take_along_axis(sorted_desc, jnp.maximum(kept - 1, 0), axis=-1)
-    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-  return logits
-
-
-def _forbid(logits_BxLxV: Array, token_id: int) -> Array:
-  # A committed mask token would read as still masked: it is never a candidate.
-  return logits_BxLxV.astype(jnp.float32).at[..., token_id].set(-jnp.inf)
-
-
-def select_top_k(confidence_BxL: Array, eligible_BxL: Array, k_B: Array) -> Array:
-  """The `k` most confident eligible positions per row (ties: the lower index first)."""
-  conf = jnp.where(eligible_BxL, confidence_BxL, -jnp.inf)
-  rank = jnp.argsort(jnp.argsort(-conf, axis=-1, stable=True), axis=-1, stable=True)
-  return eligible_BxL & (rank < k_B[:, None])
-
-
-def min_commits(num_masked_B: Array, steps_left) -> Array:
-  """⌈m / r⌉: the fewest commits per step that still finish `m` masked tokens in `r` steps.
-
-  As the lower bound of threshold decoding it is 1 while the budget is not binding, and at
-  threshold 1 it reproduces `commit_schedule` (front-loaded remainder, step by step).
-  """
-  steps_left = jnp.maximum(jnp.asarray(steps_left, jnp.int32), 1)
-  return -(-num_masked_B.astype(jnp.int32) // steps_left)
-
-
-def confident_commit(confidence_BxL: Array, eligible_BxL: Array, k_B: Array,
-                     threshold: float | None, *, strict: bool = False) -> Array:
-  """Commit the `k` most confident eligible positions, and with a threshold every eligible one
-  whose confidence is at or above it (`strict`: above it). Both families' threshold decoding."""
-  commit = select_top_k(confidence_BxL, eligible_BxL, k_B)
-  if threshold is not None:
-    above = confidence_BxL > threshold if strict else confidence_BxL >= threshold
-    commit = commit | (eligible_BxL & above)
-  return commit
-
-
-def choose_tokens(logits_BxKxV: Array, key: Array, step, temperature: float,
-                  remasking: str) -> tuple[Array, Array]:
-  """LLaDA's step: `(x̂, confidence)` from the block's (mask-forbidden) logits and step's draws."""
-  u_choice, u_conf = _uniforms(key, step, logits_BxKxV.shape)
-  x0_BxK = gumbel_argmax(logits_BxKxV, temperature, u_choice)
-  if remasking == "low_confidence":
-    probs = jax.nn.softmax(logits_BxKxV.astype(jnp.float32), axis=-1)
-    return x0_BxK, jnp.take_along_axis(probs, x0_BxK[..., None], axis=-1)[..., 0]
-  return x0_BxK, u_conf[..., 0]
-
-
-def truncate_after_stop(tokens_BxL: Array, generated_BxL: Array, stop_ids: tuple[int, ...],
-                        pad_id: int) -> tuple[Array, Array]:
-  """`(tokens, completion_mask)`: generated slots after the first stop token become `pad_id`."""
-  is_stop = jnp.isin(tokens_BxL, jnp.asarray(stop_ids, jnp.int32)) & generated_BxL
-  stops_before = jnp.cumsum(is_stop, axis=-1) - is_stop
-  keep = generated_BxL & (stops_before == 0)
-  return jnp.where(generated_BxL & ~keep, pad_id, tokens_BxL), keep
-
-
 def _gather_completion(tokens_BxL, completion_BxL, gen_start_B, gen_length):
   idx_BxC = gen_start_B[:, None] + jnp.arange(gen_length)[None, :]
   idx_BxC = jnp.minimum(idx_BxC, tokens_BxL.shape[1] - 1)
@@ -149,28 +54,16 @@ def _gather_completion(tokens_BxL, completion_BxL, gen_start_B, gen_length):
           jnp.take_along_axis(completion_BxL, idx_BxC, axis=1))
 
 
-def _finish(tokens, positions, valid, prompt_mask, generated, gen_start_B, gen_length, stop_ids,
-            pad_id, commit_step, forwards, forward_tokens) -> Rollout:
-  tokens, completion = truncate_after_stop(tokens, generated, stop_ids, pad_id)
+def finish(tokens, positions, valid, prompt_mask, generated, gen_start_B, gen_length, stop_ids,
+           pad_id, commit_step, forwards, forward_tokens) -> Rollout:
+  """The `Rollout` of a finished decode: stop truncation, padding, the left-aligned completions."""
+  tokens, completion = decoding.truncate_after_stop(tokens, generated, stop_ids, pad_id)
   tokens = jnp.where(valid, tokens, pad_id)
   comp_BxC, comp_mask_BxC = _gather_completion(tokens, completion, gen_start_B, gen_length)
   return Rollout(tokens, positions, valid, prompt_mask, completion, comp_BxC, comp_mask_BxC,
                  jnp.sum(completion, axis=-1).astype(jnp.int32), commit_step,
                  jnp.full(gen_start_B.shape, forwards, jnp.int32),
                  jnp.full(gen_start_B.shape, forward_tokens, jnp.int32))
-
-
-def _pad_id(config, pad_id, stop_ids) -> int:
-  if pad_id is not None:
-    return pad_id
-  return config.pad_token_id if config.pad_token_id is not None else stop_ids[0]
-
-
-def _stop_ids(config, stop_ids):
-  ids = tuple(stop_ids) or tuple(config.stop_token_ids) or (config.eos_token_id,)
-  if any(i is None for i in ids):
-    raise ValueError("the model config has no eos/stop token ids; pass stop_ids")
-  return ids
 
 
 # ----------------------------------------------------------------------------- LLaDA
@@ -244,8 +137,8 @@ def llada_generate(model: nnx.Module, prompt_BxP: Array, prompt_valid_BxP: Array
 def _llada_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: LLaDASampling) -> Rollout:
   cfg = model.config
   mask_id = cfg.mask_token_id
-  stop_ids = _stop_ids(cfg, sampling.stop_ids)
-  pad_id = _pad_id(cfg, sampling.pad_id, stop_ids)
+  stop_ids = decoding.resolve_stop_ids(cfg, sampling.stop_ids)
+  pad_id = decoding.resolve_pad_id(cfg, sampling.pad_id, stop_ids)
   b, p = prompt_BxP.shape
   g, bl = sampling.gen_length, sampling.block_length
   steps_per_block = sampling.steps // (g // bl)
@@ -272,13 +165,13 @@ def _llada_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: LLaDASam
     still_masked = block_BxK == mask_id
     # At a block's first step its schedule comes from the masks it holds then.
     schedule_BxS = jnp.where(s % steps_per_block == 0,
-                             commit_schedule(jnp.sum(still_masked, -1), steps_per_block),
+                             decoding.commit_schedule(jnp.sum(still_masked, -1), steps_per_block),
                              schedule_BxS)
-    logits_BxKxV = _forbid(block_logits(x_BxL, start), mask_id)
-    x0_BxK, conf_BxK = choose_tokens(logits_BxKxV, key, s, sampling.temperature,
-                                     sampling.remasking)
+    logits_BxKxV = decoding.forbid(block_logits(x_BxL, start), mask_id)
+    x0_BxK, conf_BxK = decoding.choose_tokens(logits_BxKxV, key, s, sampling.temperature,
+                                              sampling.remasking)
     k_B = schedule_BxS[:, s % steps_per_block]
-    commit = select_top_k(conf_BxK, still_masked, k_B)
+    commit = decoding.select_top_k(conf_BxK, still_masked, k_B)
     block_BxK = jnp.where(commit, x0_BxK, block_BxK)
     when_BxK = jnp.where(commit, s, jax.lax.dynamic_slice_in_dim(when_BxL, start, bl, axis=1))
     return (jax.lax.dynamic_update_slice_in_dim(x_BxL, block_BxK, start, axis=1), schedule_BxS,
@@ -289,9 +182,9 @@ def _llada_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: LLaDASam
   tokens, _, when = jax.lax.fori_loop(0, sampling.steps, step, (tokens, schedule0, when0))
   generated = jnp.zeros_like(valid).at[:, p:].set(True)
   copies = 2 if sampling.cfg_scale > 0 else 1
-  return _finish(tokens, positions, valid, prompt_mask, generated, jnp.full((b,), p, jnp.int32),
-                 g, stop_ids, pad_id, when, sampling.steps * copies,
-                 sampling.steps * copies * tokens.shape[1])
+  return finish(tokens, positions, valid, prompt_mask, generated, jnp.full((b,), p, jnp.int32),
+                g, stop_ids, pad_id, when, sampling.steps * copies,
+                sampling.steps * copies * tokens.shape[1])
 
 
 # ----------------------------------------------------------------------------- SDAR
@@ -377,9 +270,9 @@ def _sdar_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: SDARSampl
   if not bs:
     raise ValueError("SDAR decoding needs a block size (sampling.block_size or config.block_size)")
   mask_id = cfg.mask_token_id
-  stop_ids = _stop_ids(cfg, sampling.stop_ids)
+  stop_ids = decoding.resolve_stop_ids(cfg, sampling.stop_ids)
   stop_arr = jnp.asarray(stop_ids, jnp.int32)
-  pad_id = _pad_id(cfg, sampling.pad_id, stop_ids)
+  pad_id = decoding.resolve_pad_id(cfg, sampling.pad_id, stop_ids)
   b = prompt_BxP.shape[0]
   tokens, positions, valid, prompt_mask, generated, first_block, num_blocks = sdar_layout(
       prompt_BxP, prompt_valid_BxP, sampling.gen_length, bs, mask_id)
@@ -408,8 +301,8 @@ def _sdar_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: SDARSampl
 
   def denoise_block(j, x_BxL, when_BxL, cache, active_B, step0):
     blk_gen = slice_block(generated, j) & active_B[:, None]
-    schedule_BxS = commit_schedule(jnp.sum(slice_block(x_BxL, j) == mask_id, -1) * active_B,
-                                   sampling.steps)
+    schedule_BxS = decoding.commit_schedule(
+        jnp.sum(slice_block(x_BxL, j) == mask_id, -1) * active_B, sampling.steps)
 
     def cond(c):
       x, _, s, _ = c
@@ -419,17 +312,17 @@ def _sdar_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: SDARSampl
       x, when, s, n = c
       blk = slice_block(x, j)
       still_masked = (blk == mask_id) & blk_gen
-      logits = _forbid(block_logits(x, j, cache), mask_id)
+      logits = decoding.forbid(block_logits(x, j, cache), mask_id)
       if sampling.temperature > 0:  # sample from the tempered, filtered distribution
-        logits = filter_logits(logits / sampling.temperature, top_k=sampling.top_k,
-                               top_p=sampling.top_p)
-      u_choice, _ = _uniforms(key, step0 + n, logits.shape)
-      x0 = gumbel_argmax(logits, 1.0 if sampling.temperature > 0 else 0.0, u_choice)
+        logits = decoding.filter_logits(logits / sampling.temperature, top_k=sampling.top_k,
+                                        top_p=sampling.top_p)
+      u_choice, _ = decoding.uniforms(key, step0 + n, logits.shape)
+      x0 = decoding.gumbel_argmax(logits, 1.0 if sampling.temperature > 0 else 0.0, u_choice)
       probs = jax.nn.softmax(logits, axis=-1)
       conf = jnp.take_along_axis(probs, x0[..., None], axis=-1)[..., 0]
       dynamic = sampling.strategy == "low_confidence_dynamic"
-      commit = confident_commit(conf, still_masked, schedule_BxS[:, s],
-                                sampling.threshold if dynamic else None, strict=True)
+      commit = decoding.confident_commit(conf, still_masked, schedule_BxS[:, s],
+                                         sampling.threshold if dynamic else None, strict=True)
       blk = jnp.where(commit, x0, blk)
       when_blk = jnp.where(commit, step0 + n, slice_block(when, j))
       return (jax.lax.dynamic_update_slice_in_dim(x, blk, j * bs, axis=1),
@@ -464,5 +357,5 @@ def _sdar_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: SDARSampl
                     + denoise_steps * (bs if sampling.use_cache else t))
   # Rows that stopped early keep masks in later blocks: the stop truncation pads them.
   gen_start_B = jnp.argmax(generated, axis=1).astype(jnp.int32)
-  return _finish(tokens, positions, valid, prompt_mask, generated, gen_start_B,
-                 sampling.gen_length, stop_ids, pad_id, when, forwards, forward_tokens)
+  return finish(tokens, positions, valid, prompt_mask, generated, gen_start_B,
+                sampling.gen_length, stop_ids, pad_id, when, forwards, forward_tokens)

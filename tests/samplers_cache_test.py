@@ -261,16 +261,6 @@ def test_bad_settings_name_the_value():
     samplers.LLaDASampling(gen_length=8, block_length=4, steps=4, threshold=1.5)
 
 
-def test_confident_commit_is_top_k_plus_threshold():
-  conf = jnp.asarray([[0.1, 0.5, 0.3, 0.9], [0.2, 0.2, 0.2, 0.2]])
-  ok = jnp.asarray([[True, True, True, False], [True, True, True, True]])
-  got = samplers.confident_commit(conf, ok, jnp.asarray([1, 1]), 0.3)
-  np.testing.assert_array_equal(got, [[False, True, True, False], [True, False, False, False]])
-  strict = samplers.confident_commit(conf, ok, jnp.asarray([1, 0]), 0.3, strict=True)
-  np.testing.assert_array_equal(strict, [[False, True, False, False], [False] * 4])
-  np.testing.assert_array_equal(samplers.min_commits(jnp.asarray([5, 3, 1, 0]), 2), [3, 2, 1, 0])
-
-
 def test_config_keys_reach_rollouts_only_and_bad_values_are_named():
   from stabledrl_jax import config_lib, train
   c = config_lib.base_config("llada")

@@ -262,21 +262,6 @@ def test_sdar_commit_counts_follow_schedule(sdar_model):
     np.testing.assert_array_equal([int((row == st).sum()) for st in range(9)], [2, 1, 1] * 3)
 
 
-def test_commit_schedule_matches_formula():
-  n = jnp.array([0, 1, 7, 32, 33])
-  got = np.asarray(samplers.commit_schedule(n, 4))
-  np.testing.assert_array_equal(got, [schedule(int(v), 4) for v in n])
-  assert (got.sum(1) == np.asarray(n)).all()
-
-
-def test_filter_logits_top_p_keeps_smallest_prefix_reaching_mass():
-  logits = jnp.log(jnp.array([[[0.5, 0.3, 0.15, 0.05]]]))
-  kept = np.isfinite(np.asarray(samplers.filter_logits(logits, top_p=0.7)))[0, 0]
-  np.testing.assert_array_equal(kept, [True, True, False, False])
-  kept = np.isfinite(np.asarray(samplers.filter_logits(logits, top_k=3)))[0, 0]
-  np.testing.assert_array_equal(kept, [True, True, True, False])
-
-
 def test_samplers_run_sharded_over_the_batch(sdar_model):
   prompts = [[5 + i, 6, 7 + i % 3][: 1 + i % 3] for i in range(8)]
   ids, valid = left_pad(prompts)
