@@ -104,14 +104,12 @@ def truncate_after_stop(tokens_BxL: Array, generated_BxL: Array, stop_ids: tuple
   return jnp.where(generated_BxL & ~keep, pad_id, tokens_BxL), keep
 
 
-def resolve_pad_id(config, pad_id, stop_ids) -> int:
-  if pad_id is not None:
-    return pad_id
-  return config.pad_token_id if config.pad_token_id is not None else stop_ids[0]
-
-
-def resolve_stop_ids(config, stop_ids):
-  ids = tuple(stop_ids) or tuple(config.stop_token_ids) or (config.eos_token_id,)
-  if any(i is None for i in ids):
+def stop_and_pad_ids(config, sampling) -> tuple[tuple[int, ...], int]:
+  """The sampling's stop ids (else the model's stop ids, else its eos) and pad id (else the
+  model's pad, else the first stop id)."""
+  stop_ids = tuple(sampling.stop_ids) or tuple(config.stop_token_ids) or (config.eos_token_id,)
+  if any(i is None for i in stop_ids):
     raise ValueError("the model config has no eos/stop token ids; pass stop_ids")
-  return ids
+  if sampling.pad_id is not None:
+    return stop_ids, sampling.pad_id
+  return stop_ids, config.pad_token_id if config.pad_token_id is not None else stop_ids[0]

@@ -57,8 +57,7 @@ def _slice(x, start, size):
 def _generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: S.LLaDASampling) -> S.Rollout:
   cfg = model.config
   mask_id = cfg.mask_token_id
-  stop_ids = decoding.resolve_stop_ids(cfg, sampling.stop_ids)
-  pad_id = decoding.resolve_pad_id(cfg, sampling.pad_id, stop_ids)
+  stop_ids, pad_id = decoding.stop_and_pad_ids(cfg, sampling)
   b, p = prompt_BxP.shape
   g, bl = sampling.gen_length, sampling.block_length
   num_blocks = g // bl

@@ -137,8 +137,7 @@ def llada_generate(model: nnx.Module, prompt_BxP: Array, prompt_valid_BxP: Array
 def _llada_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: LLaDASampling) -> Rollout:
   cfg = model.config
   mask_id = cfg.mask_token_id
-  stop_ids = decoding.resolve_stop_ids(cfg, sampling.stop_ids)
-  pad_id = decoding.resolve_pad_id(cfg, sampling.pad_id, stop_ids)
+  stop_ids, pad_id = decoding.stop_and_pad_ids(cfg, sampling)
   b, p = prompt_BxP.shape
   g, bl = sampling.gen_length, sampling.block_length
   steps_per_block = sampling.steps // (g // bl)
@@ -270,9 +269,8 @@ def _sdar_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: SDARSampl
   if not bs:
     raise ValueError("SDAR decoding needs a block size (sampling.block_size or config.block_size)")
   mask_id = cfg.mask_token_id
-  stop_ids = decoding.resolve_stop_ids(cfg, sampling.stop_ids)
+  stop_ids, pad_id = decoding.stop_and_pad_ids(cfg, sampling)
   stop_arr = jnp.asarray(stop_ids, jnp.int32)
-  pad_id = decoding.resolve_pad_id(cfg, sampling.pad_id, stop_ids)
   b = prompt_BxP.shape[0]
   tokens, positions, valid, prompt_mask, generated, first_block, num_blocks = sdar_layout(
       prompt_BxP, prompt_valid_BxP, sampling.gen_length, bs, mask_id)
