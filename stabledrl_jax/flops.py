@@ -16,14 +16,17 @@ PEAK_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v
               "NVIDIA H100": 989e12, "NVIDIA H200": 989e12, "NVIDIA A100": 312e12}
 
 
-def forward_flops(cfg: ModelConfig, batch: int, queries: int, keys: int | None = None) -> float:
-  """One forward of `batch` rows of `queries` tokens, each attending to `keys` (default: queries)."""
+def forward_flops(cfg: ModelConfig, batch: int, queries: float, keys: float | None = None,
+                  head_queries: float | None = None) -> float:
+  """One forward of `batch` rows of `queries` tokens, each attending to `keys` (default: queries),
+  with the vocabulary head on `head_queries` of them (default: all)."""
   keys = queries if keys is None else keys
+  head_queries = queries if head_queries is None else head_queries
   d, hd = cfg.d_model, cfg.head_dim
   per_token = cfg.n_layers * (d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.mlp_dim)
-  per_token += d * cfg.vocab_size  # the head (the embedding is a lookup)
   attention = cfg.n_layers * 2 * 2 * cfg.n_heads * hd * keys  # QKᵀ and AV, per query
-  return 2.0 * batch * queries * per_token + batch * queries * attention
+  head = 2.0 * d * cfg.vocab_size * head_queries  # the embedding is a lookup
+  return batch * (2.0 * queries * per_token + queries * attention + head)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,13 +43,19 @@ class StepShape:
   block: int              # LLaDA: sampler block length; SDAR: the diffusion block size
   staircase: bool         # SDAR: the likelihood runs on [x_t ; x_0] (twice the length)
   reference: bool = False  # a KL reference model adds one more likelihood forward
+  # LLaDA: the sampler's own counts per row (`Rollout.forwards_B`, `forward_tokens_B`), which
+  # cached and threshold decoding need; None: `sampler_steps` full forwards.
+  forwards: float | None = None
+  forward_tokens: float | None = None
 
 
 def rl_step_flops(cfg: ModelConfig, s: StepShape) -> dict[str, float]:
   """`rollout`, `likelihood` (behaviour policy, and reference) and `update` FLOPs of one RL step.
 
-  Rollout, LLaDA: `sampler_steps` full forwards over the whole sequence. SDAR (KV cache): per
-  completion block up to `sampler_steps` forwards of the block plus one that commits it, each
+  Rollout, LLaDA: `forwards` forwards (default `sampler_steps`) of `forward_tokens` tokens in all
+  (default `total` each), every token attending to the whole sequence (a cached forward's keys are
+  the cache and its own), the head on the current block (`block` positions) only. SDAR (KV cache):
+  per completion block up to `sampler_steps` forwards of the block plus one that commits it, each
   attending to the prefix, after one prefill of the prompt. `sampler_steps` is an upper bound
   for early-stopping strategies.
   """
@@ -58,7 +67,9 @@ def rl_step_flops(cfg: ModelConfig, s: StepShape) -> dict[str, float]:
       rollout += (s.sampler_steps + 1) * forward_flops(cfg, s.rows, s.block, prefix + (j + 1) * s.block)
     seq = 2 * s.total
   else:
-    rollout = s.sampler_steps * forward_flops(cfg, s.rows, s.total)
+    forwards = s.sampler_steps if s.forwards is None else s.forwards
+    tokens = forwards * s.total if s.forward_tokens is None else s.forward_tokens
+    rollout = forward_flops(cfg, s.rows, tokens, s.total, head_queries=forwards * s.block)
     seq = s.total
   one = forward_flops(cfg, s.rows * s.samples, seq)
   return {"rollout": rollout, "likelihood": one * (2 if s.reference else 1),

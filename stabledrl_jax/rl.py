@@ -286,14 +286,22 @@ def step(c, s, data, model, ref_model, optimizer, key, clip_epsilon: float | Non
   rewards = sharding.shard_batch(score(data.tokenizer, rollout, examples, data.reward_fn, start),
                                  sharding.model_mesh(model), rows=rows, start=start)
   adv = _advantages(rewards, group_size=group, mode=c.rl.advantage)
-  rl_batch, entropy = behaviour_pass(model, ref_model, likelihood.from_rollout(rollout), adv,
-                                     k_mask, obj)
+  t_behaviour = time.perf_counter()
+  rl_batch, entropy = jax.block_until_ready(behaviour_pass(
+      model, ref_model, likelihood.from_rollout(rollout), adv, k_mask, obj))
+  t_update = time.perf_counter()
   eps = None if clip_epsilon is None else jnp.float32(clip_epsilon)
-  outs = [update(model, optimizer, rl_batch, jax.random.fold_in(k_update, u), eps,
-                 jnp.float32(lr_scale), obj=obj, accumulation=c.rl.accumulation)
-          for u in range(c.rl.updates_per_batch)]
+  outs = jax.block_until_ready([
+      update(model, optimizer, rl_batch, jax.random.fold_in(k_update, u), eps,
+             jnp.float32(lr_scale), obj=obj, accumulation=c.rl.accumulation)
+      for u in range(c.rl.updates_per_batch)])
+  t_done = time.perf_counter()
 
   record = {k: float(np.mean([float(o[k]) for o in outs])) for k in outs[0] if k != "skipped"}
+  # The step's phases, wall clock (the first step's include compilation): rollout_s (sampler),
+  # score_s (rewards and advantages), behaviour_s (old log-probs), update_s (the μ updates).
+  record.update(score_s=t_behaviour - t_rollout - rollout_log["rollout_s"],
+                behaviour_s=t_update - t_behaviour, update_s=t_done - t_update)
   record["skipped"] = int(sum(int(o["skipped"]) for o in outs))
   record["grad_norm_max"] = float(np.max([float(o["grad_norm"]) for o in outs]))  # nan if any is
   record["token_entropy"] = float(entropy)
@@ -305,6 +313,7 @@ def step(c, s, data, model, ref_model, optimizer, key, clip_epsilon: float | Non
   step_flops = flops.rl_step_flops(model.config, flops.StepShape(
       rows=rl_batch.seqs.tokens_BxL.shape[0], prompt=ids.shape[1], gen=c.sampler.gen_length,
       total=length, samples=obj.num_samples, updates=c.rl.updates_per_batch,
-      sampler_steps=c.sampler.steps, block=obj.block_size, staircase=obj.staircase,
-      reference=ref_model is not None))
+      sampler_steps=c.sampler.steps, staircase=obj.staircase, reference=ref_model is not None,
+      block=obj.block_size if obj.staircase else c.sampler.block_length,
+      forwards=rollout_log["rollout_forwards"], forward_tokens=rollout_log["rollout_forward_tokens"]))
   return metrics.StepResult(record, int(jnp.sum(rollout.lengths_B)), step_flops)

@@ -20,9 +20,10 @@ from stabledrl_jax.tasks import get_task, sudoku
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TIMING = {"tokens_per_s", "tokens_per_s_per_device", "tflops_per_s_per_device", "mfu", "rollout_s",
-          "rollout_tokens_per_s"}  # wall-clock dependent
+          "rollout_tokens_per_s", "score_s", "behaviour_s", "update_s"}  # wall-clock dependent
 REQUIRED = {"step", "loss", "grad_norm", "tokens_per_s", "skipped_updates"}
-RL_REQUIRED = REQUIRED | {"reward_mean", "clip_fraction", "ess", "log10_ratio_max"}
+RL_REQUIRED = REQUIRED | {"reward_mean", "clip_fraction", "ess", "log10_ratio_max", "rollout_s",
+                          "score_s", "behaviour_s", "update_s"}
 
 
 def objective(**changes) -> rl.Objective:
