@@ -84,3 +84,23 @@ def test_transformer_blockwise_equals_dense():
     for run in runs:
       np.testing.assert_allclose(np.asarray(run(tiled)), np.asarray(run(dense)), rtol=1e-5,
                                  atol=1e-5)
+
+
+def test_gradient_memory_does_not_grow_with_the_number_of_tiles():
+  # XLA's temporaries for the gradient at S = 2048: dense holds [heads, S, S] float32 scores
+  # (64 MiB) and more; the tiled backward recomputes each tile's probabilities, so with 64 tiles
+  # of 32 keys it needs q, k, v, the output and one tile's scores. Storing a per-tile
+  # accumulator for the backward (a checkpointed scan) would take 64 x [heads, S, H] float32.
+  b, t, n, kh, h = 1, 2048, 4, 2, 32
+  q, k, v = jnp.zeros((b, t, n, h)), jnp.zeros((b, t, kh, h)), jnp.zeros((b, t, kh, h))
+  parts = attn_lib.staircase_parts(jnp.arange(t // 2), 16)
+  mask = parts.mask()
+
+  def temporaries(attend):
+    grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v)), (0, 1, 2)))
+    return grad.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
+
+  dense = temporaries(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask))
+  tiled = temporaries(lambda q, k, v: blockwise_attention(q, k, v, parts, 32))
+  assert dense > 4 * n * t * t  # the dense scores are there
+  assert tiled < 0.05 * dense, (tiled, dense)
