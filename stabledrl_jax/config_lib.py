@@ -122,6 +122,9 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.optim.weight_decay = 0.1
   c.optim.grad_clip = 1.0
   c.optim.decay_steps = 0       # linear decay to 0 over this many steps; 0 = the stage length
+  # AdamW's two moments: float32, or bfloat16 (weights and moments take 8 bytes per parameter
+  # instead of 12; changes the numerics: the moments are rounded every step).
+  c.optim.moment_dtype = "float32"
 
   c.sampler = ml_collections.ConfigDict()
   c.sampler.gen_length = 20
@@ -292,6 +295,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
       bad("task.sft_blanks", "expected 0 (= task.blanks) or 1 to 12")
     if not 0 <= c.task.sft_unfilled < 1:
       bad("task.sft_unfilled", "must lie in [0, 1)")
+  if c.optim.moment_dtype not in ("float32", "bfloat16"):
+    bad("optim.moment_dtype", "expected float32 or bfloat16")
   if c.sampler.temperature < 0:
     bad("sampler.temperature", "must be >= 0")
   if c.sampler.cache not in ("none", "prefix", "dual") or (

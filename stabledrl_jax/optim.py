@@ -1,4 +1,5 @@
-"""The optimiser of each stage: AdamW after global-norm clipping, warmup then linear decay, the
+"""The optimiser of each stage: AdamW after global-norm clipping (its moments in float32, or with
+`optim.moment_dtype="bfloat16"` stored in bfloat16), warmup then linear decay, the
 rate injected (`optax.inject_hyperparams`) so that it is logged every step and the controls can
 scale it, and non-finite updates skipped.
 """
@@ -46,15 +47,40 @@ def make_optimizer(lr: float, warmup: int, total: int, o) -> optax.GradientTrans
   schedule = decay if not warmup else optax.join_schedules(
       [optax.linear_schedule(0.0, lr, warmup), decay], [warmup])
 
+  moment_dtype = o.get("moment_dtype", "float32")
+  if moment_dtype not in ("float32", "bfloat16"):
+    raise ValueError(f"config.optim.moment_dtype={moment_dtype!r}: expected float32 or bfloat16")
+
   def adamw(learning_rate):
-    return optax.chain(optax.clip_by_global_norm(o.grad_clip),
-                       optax.adamw(learning_rate, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay))
+    if moment_dtype == "float32":
+      adam = optax.adamw(learning_rate, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay)
+    else:  # optax.adamw's chain, its moments stored in bfloat16 (updated in float32)
+      adam = optax.chain(stored_as(optax.scale_by_adam(b1=o.b1, b2=o.b2), jnp.bfloat16),
+                         optax.add_decayed_weights(o.weight_decay),
+                         optax.scale_by_learning_rate(learning_rate))
+    return optax.chain(optax.clip_by_global_norm(o.grad_clip), adam)
 
   # float32 rates whatever the parameters (and abstract parameters need no dtype look-up).
   inner = optax.inject_hyperparams(adamw, hyperparam_dtype=jnp.float32)(
       learning_rate=_ScaledSchedule(schedule))
   # The parameters and moments stay as they were when a gradient is not finite.
   return optax.apply_if_finite(inner, max_consecutive_errors=1_000_000)
+
+
+def stored_as(inner: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
+  """`inner` with its floating-point state kept in `dtype` between updates and computed on in
+  float32 (e.g. bfloat16 Adam moments: half their memory, rounded every step)."""
+  def cast(tree, to):
+    return jax.tree.map(lambda x: x.astype(to) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+  def init(params):
+    return cast(inner.init(params), dtype)
+
+  def update(updates, state, params=None):
+    updates, state = inner.update(updates, cast(state, jnp.float32), params)
+    return updates, cast(state, dtype)
+
+  return optax.GradientTransformation(init, update)
 
 
 def stage_optimizer(model, c, stage: str) -> nnx.Optimizer:

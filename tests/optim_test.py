@@ -39,3 +39,31 @@ def test_another_transformation_has_no_logged_rate():
   out = optim.apply(model, opt, jax.tree.map(jnp.copy, nnx.state(model, nnx.Param)))
   assert "lr" not in out and not bool(out["skipped"])
   assert float(out["grad_norm"]) == pytest.approx(norm, rel=1e-6)
+
+
+def test_bfloat16_moments_are_stored_in_bfloat16_and_track_float32_adam():
+  # Reference: Adam written out in NumPy float64 from its definition (no weight decay, no clip).
+  lr, b1, b2, eps = 1e-2, O.b1, O.b2, 1e-8
+  x0 = np.array([1.0, -2.0, 0.5, 3.0])
+  grad = lambda x: 2 * x * np.array([1.0, 0.3, 2.0, 0.1])  # noqa: E731
+  x, m, v = x0.copy(), np.zeros(4), np.zeros(4)
+  for t in range(1, 6):
+    g = grad(x)
+    m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+    rate = lr * (1 - (t - 1) / 1000)  # the linear decay over the 1000 steps of the stage
+    x = x - rate * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+  for dtype, tol in (("float32", 1e-5), ("bfloat16", 2e-3)):
+    tx = optim.make_optimizer(lr, 0, 1000, ml_collections.ConfigDict({**O, "moment_dtype": dtype}))
+    params = jnp.asarray(x0, jnp.float32)
+    state = tx.init(params)
+    floats = [l for l in jax.tree.leaves(state) if l.ndim == 1]
+    assert floats and all(l.dtype == jnp.dtype(dtype) for l in floats), dtype
+    for _ in range(5):
+      updates, state = tx.update(jnp.asarray(grad(np.asarray(params)), jnp.float32), state, params)
+      params = optax.apply_updates(params, updates)
+    np.testing.assert_allclose(np.asarray(params), x, rtol=0, atol=tol * lr * 5)
+
+
+def test_unknown_moment_dtype_is_named():
+  with pytest.raises(ValueError, match="config.optim.moment_dtype='float16'"):
+    optim.make_optimizer(1e-3, 0, 10, ml_collections.ConfigDict({**O, "moment_dtype": "float16"}))

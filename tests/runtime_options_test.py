@@ -1,15 +1,17 @@
 """Execution options (remat policies, blockwise attention) leave one RL step's loss and
-parameters equal to the default's, on the tiny model sharded over 8 fake CPU devices."""
+parameters equal to the default's, and bfloat16 Adam moments change them by rounding only, on the
+tiny model sharded over 8 fake CPU devices."""
 import dataclasses
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 import pytest
 from flax import nnx
 
-from stabledrl_jax import config_lib, likelihood, models, rl, sharding
+from stabledrl_jax import config_lib, likelihood, models, optim, rl, sharding
 
 OPTIONS = {
     "remat_dots": dict(remat=True, remat_policy="dots"),
@@ -18,7 +20,7 @@ OPTIONS = {
 }
 
 
-def one_rl_step(**options):
+def one_rl_step(tx=None, **options):
   assert len(jax.devices()) == 8
   mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   cfg = models.tiny(vocab_size=40, mask_token_id=3, eos_token_id=2, pad_token_id=0,
@@ -26,8 +28,7 @@ def one_rl_step(**options):
   model = sharding.create_model(cfg, 0, mesh)
   # Plain SGD at lr 1: the parameter change is the gradient (Adam's first step, ~lr * sign(g),
   # would turn float noise in a near-zero gradient entry into a whole step).
-  opt = nnx.Optimizer(model, optax.chain(optax.sgd(1.0)),
-                      wrt=nnx.Param)
+  opt = nnx.Optimizer(model, tx or optax.chain(optax.sgd(1.0)), wrt=nnx.Param)
   obj = dataclasses.replace(config_lib.settings(config_lib.base_config("sdar")).objective,
                             group_size=2, scheme="block_t", num_samples=2, block_size=4,
                             staircase=True)
@@ -68,3 +69,19 @@ def test_unknown_options_are_named():
     models.tiny(attention_impl="flash")
   with pytest.raises(ValueError, match="attention_tile=0"):
     models.tiny(attention_tile=0)
+
+
+def test_bfloat16_moments_change_one_adamw_step_by_rounding_only():
+  lr = 1e-3
+
+  def adamw(moment_dtype):
+    return optim.make_optimizer(lr, 0, 10, ml_collections.ConfigDict(dict(
+        b1=0.9, b2=0.99, weight_decay=0.1, grad_clip=1.0, decay_steps=0, moment_dtype=moment_dtype)))
+
+  loss32, norm32, params32 = one_rl_step(tx=adamw("float32"))
+  loss16, norm16, params16 = one_rl_step(tx=adamw("bfloat16"))
+  assert (loss16, norm16) == (loss32, norm32)  # the same gradient; only the update differs
+  # Adam's first step is lr * m / (sqrt(v) + eps) per entry; bfloat16 moments round m and v to
+  # 8 significant bits, so the step moves by at most ~1% of lr more or less.
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=0.01 * lr), params16,
+               params32)
