@@ -3,7 +3,8 @@
 A rerun in the same workdir is compared with it key by key. Every change is printed with its old
 and new value; a change the saved state cannot follow (model shapes, family, task, tokenizer,
 seed, group size, ...) stops the run with that one-line list before anything is loaded. Safe
-changes (more RL steps, evaluation, logging, checkpointing, detectors, controls, the mesh) resume
+changes (more RL steps, evaluation, logging, checkpointing, detectors, controls, the mesh, the
+rollouts' fast decoding) resume
 and are appended to WORKDIR/config_changes.jsonl.
 """
 from __future__ import annotations
@@ -16,7 +17,8 @@ CONFIG_FILE = "config.json"
 CHANGES_FILE = "config_changes.jsonl"
 # Keys (or sections, ending in ".") a resumed run can take from the new config.
 RESUMABLE = ("rl.steps", "eval.", "log_every", "checkpoint.", "stability.", "controls.", "mesh.",
-             "rollout_mesh.", "task.data_dir", "task.source_dir", "model.remat")
+             "rollout_mesh.", "task.data_dir", "task.source_dir", "model.remat", "sampler.cache",
+             "sampler.threshold")
 
 
 class ConfigChangeError(ValueError):
@@ -66,16 +68,20 @@ def write(workdir: str, config: dict[str, Any]) -> None:
 
 
 def check(config: dict[str, Any], workdir: str, *, has_checkpoint: bool,
-          main_process: bool = True) -> list[str]:
+          main_process: bool = True, defaults: dict[str, Any] | None = None) -> list[str]:
   """Compare `config` with the workdir's record and record it; returns the lines to print.
 
   Raises `ConfigChangeError` (one line listing the non-resumable changes) when the workdir holds
-  a checkpoint the new config cannot resume; nothing is written then.
+  a checkpoint the new config cannot resume; nothing is written then. A key the record lacks
+  whose new value is its value in `defaults` (a key added since the run started, at its default)
+  is a change that resumes.
   """
   old = read(workdir)
   diff = changes(old, config) if old is not None else []
+  added = flatten(defaults or {})
   if diff and has_checkpoint:
-    refused = [d for d in diff if not resumable(d[0])]
+    refused = [d for d in diff if not resumable(d[0])
+               and not (d[1] is None and d[0] in added and added[d[0]] == d[2])]
     if refused:
       raise ConfigChangeError(
           f"{os.path.join(workdir, CONFIG_FILE)}: cannot resume with changed {describe(refused)} "

@@ -1,0 +1,18 @@
+"""Tests for stabledrl_jax.workdir_config: a run's recorded config, with keys added since."""
+import json
+
+from stabledrl_jax import config_lib, workdir_config
+
+
+def test_keys_added_since_the_run_take_their_defaults_and_recorded_values_stay(tmp_path):
+  c = config_lib.base_config("llada")
+  record = c.to_dict()
+  del record["optim"]["moment_dtype"]  # as written before the key existed
+  record["rl"]["lr"] = 1e-3
+  record["task"]["reward_weights"] = {"correctness": 2.0}  # a map: no default entries join it
+  (tmp_path / "config.json").write_text(json.dumps(record))
+  got = workdir_config.get_config(str(tmp_path))
+  assert got.optim.moment_dtype == "float32" and got.rl.lr == 1e-3
+  assert got.task.reward_weights.to_dict() == {"correctness": 2.0}
+  assert set(got.to_dict()) == set(c.to_dict())
+  config_lib.validate(got)
