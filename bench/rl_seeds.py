@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -84,6 +85,22 @@ def main() -> None:
   spread = max(max(befores) - min(befores), max(afters) - min(afters))
   print(f"smallest gain {min(gains):+.3f}; spread between seeds (max - min, before or after RL) "
         f"{spread:.3f}: RL gain {'exceeds' if min(gains) > spread else 'does NOT exceed'} the spread")
+  print(f"\nRL step phases, seconds, median over the RL steps after the first (which compiles)")
+  print(" | ".join(["seed", "sampler", *PHASES]))
+  for s in seeds:
+    print(" | ".join([f"{s:>4}", *phase_medians(workdirs[s])]))
+
+
+PHASES = ("step_s", "rollout_s", "score_s", "behaviour_s", "update_s")
+
+
+def phase_medians(workdir: str) -> list[str]:
+  """The rollout sampler and the median seconds of each phase of the run's RL steps."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rl = [r for r in map(json.loads, filter(str.strip, f)) if r.get("stage") == "rl"][1:]
+  if not rl or not all(k in rl[0] for k in PHASES):
+    return ["(no phase times in metrics.jsonl)"]
+  return [rl[0]["rollout_sampler"], *(f"{statistics.median(r[k] for r in rl):.3f}" for k in PHASES)]
 
 
 if __name__ == "__main__":

@@ -88,7 +88,8 @@ def setup(c: ml_collections.ConfigDict, workdir: str) -> Run:
     s = config_lib.settings(c)
     os.makedirs(workdir, exist_ok=True)
     for line in run_record.check(c.to_dict(), workdir, main_process=distributed.is_main(),
-                                 has_checkpoint=run_record.has_checkpoint(workdir)):
+                                 has_checkpoint=run_record.has_checkpoint(workdir),
+                                 defaults=config_lib.base_config(c.family).to_dict()):
       distributed.log(line)
     mesh = build.mesh(c)
     rollout_mesh = build.rollout_mesh(c, mesh) if mesh.size > 1 else None
@@ -195,9 +196,10 @@ def save(r: Run, at: int, stage: str) -> None:
 
 
 def evaluate(c, s: config_lib.Settings, data: build.Data, model, rollout_mesh=None) -> dict[str, float]:
-  """Greedy decoding on the held-out examples: mean task score (`accuracy`) and solve rate.
-  Every process decodes its share and grades all of them, so all get the same result."""
-  scores, solved = [], []
+  """Greedy decoding on the held-out examples: mean task score (`accuracy`), solve rate, and the
+  model forwards and tokens forwarded per example. Every process decodes its share and grades all
+  of them, so all get the same result."""
+  scores, solved, forwards, forward_tokens = [], [], [], []
   for lo in range(0, len(data.test), c.eval.batch_size):
     exs = data.test[lo:lo + c.eval.batch_size]
     enc = pipeline.encode_prompts(data.task, exs, data.tokenizer, max_prompt_len=c.task.max_prompt_len,
@@ -207,8 +209,11 @@ def evaluate(c, s: config_lib.Settings, data: build.Data, model, rollout_mesh=No
     texts = pipeline.decode_completions(data.tokenizer, sharding.to_host(rollout.completion_BxC))
     scores += [data.task.correctness(t, ex) for t, ex in zip(texts, exs)]
     solved += [data.task.is_correct(t, ex) for t, ex in zip(texts, exs)]
+    forwards += list(sharding.to_host(rollout.forwards_B)[:len(exs)])
+    forward_tokens += list(sharding.to_host(rollout.forward_tokens_B)[:len(exs)])
   return {"accuracy": float(np.mean(scores)), "solve_rate": float(np.mean(solved)),
-          "num_examples": len(scores)}
+          "num_examples": len(scores), "forwards": float(np.mean(forwards)),
+          "forward_tokens": float(np.mean(forward_tokens))}
 
 
 def log_eval(r: Run, at: int, tag: str) -> dict[str, float]:

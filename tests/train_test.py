@@ -19,7 +19,7 @@ from stabledrl_jax import build, config_lib, likelihood, models, optim, rl, sft,
 from stabledrl_jax.tasks import get_task, sudoku
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-TIMING = {"tokens_per_s", "tokens_per_s_per_device", "tflops_per_s_per_device", "mfu", "rollout_s",
+TIMING = {"step_s", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_s_per_device", "mfu", "rollout_s",
           "rollout_tokens_per_s", "score_s", "behaviour_s", "update_s"}  # wall-clock dependent
 REQUIRED = {"step", "loss", "grad_norm", "tokens_per_s", "skipped_updates"}
 RL_REQUIRED = REQUIRED | {"reward_mean", "clip_fraction", "ess", "log10_ratio_max", "rollout_s",

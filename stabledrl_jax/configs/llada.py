@@ -18,5 +18,7 @@ def get_config(preset: str = "tiny"):
     c.model.preset = "llada_8b"
     c.sampler.block_length = 32
     c.sampler.steps = 128  # rollouts: gen 256, block 32, 128 steps (docs/method.md §6)
+  if preset == "8b":  # rollouts with the block-wise KV cache (README: Fast LLaDA rollouts)
+    c.sampler.cache = "dual"
   c.lock()
   return c
