@@ -33,6 +33,9 @@ _CONFIG = config_flags.DEFINE_config_file("config", config_lib.resolve_config_ar
 _TOPOLOGY = flags.DEFINE_string("topology", "v5p:2x2x1", "TPU topology (e.g. v5p:4x4x4, "
                                 "v6e:4x4) or cpu:N for N local CPU devices.")
 _HBM_GIB = flags.DEFINE_float("hbm_gib", None, "Per-chip memory in GiB (default: by chip kind).")
+_PROGRAMS = flags.DEFINE_list("programs", "rl_step,sampler", "Which programs to compile: rl_step, "
+                              "sampler (e.g. only the sampler, with --config.sampler.cache=dual).")
+PROGRAMS = ("rl_step", "sampler")
 
 # Per-chip HBM in GiB by device kind (public TPU specifications).
 HBM_GIB = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5e": 16, "TPU v5": 95, "TPU v5p": 95,
@@ -138,8 +141,13 @@ def cost(compiled) -> dict[str, float]:
   return {k: float(ca[k]) for k in ("flops", "bytes accessed") if k in (ca or {})}
 
 
-def check(c, devices: list, hbm_gib: float | None = None) -> dict[str, Any]:
-  """Compile the RL train step and the sampler for `devices`; per-chip memory and costs."""
+def check(c, devices: list, hbm_gib: float | None = None,
+          programs: tuple[str, ...] = PROGRAMS) -> dict[str, Any]:
+  """Compile `programs` (the RL train step, the sampler) for `devices`; per-chip memory and
+  costs."""
+  unknown = [p for p in programs if p not in PROGRAMS]
+  if unknown or not programs:
+    raise ValueError(f"--programs={','.join(programs)}: expected some of {', '.join(PROGRAMS)}")
   mesh = sharding.make_mesh(c.mesh.to_dict(), devices)
   cfg = model_config(c)
   kind = devices[0].device_kind
@@ -155,8 +163,9 @@ def check(c, devices: list, hbm_gib: float | None = None) -> dict[str, Any]:
   key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=replicated)
   results = {"device_kind": kind, "chips": len(devices), "mesh": dict(mesh.shape),
              "hbm_gib": hbm, "params": cfg.num_params}
-  results["rl_step"] = _compile(lambda: rl.update.lower(
-      model, opt, batch, key, obj=obj, accumulation=c.rl.accumulation))
+  if "rl_step" in programs:
+    results["rl_step"] = _compile(lambda: rl.update.lower(
+        model, opt, batch, key, obj=obj, accumulation=c.rl.accumulation))
 
   b = c.rl.prompts_per_step * c.rl.group_size
   sampling = config_lib.sampling(c, c.sampler.temperature)
@@ -171,10 +180,11 @@ def check(c, devices: list, hbm_gib: float | None = None) -> dict[str, Any]:
         decode_mesh, jax.sharding.PartitionSpec()))
   prompts = _batched((b, c.task.max_prompt_len), jnp.int32, decode_mesh)
   valid = _batched((b, c.task.max_prompt_len), bool, decode_mesh)
-  results["sampler"] = _compile(lambda: jax.jit(gen, static_argnums=(4,)).lower(
-      model, prompts, valid, key, sampling))
+  if "sampler" in programs:
+    results["sampler"] = _compile(lambda: jax.jit(gen, static_argnums=(4,)).lower(
+        model, prompts, valid, key, sampling))
   results["fits"] = all("error" not in results[k] and (hbm is None or results[k]["total"] <= hbm * GIB)
-                        for k in ("rl_step", "sampler"))
+                        for k in programs)
   return results
 
 
@@ -202,7 +212,7 @@ def report(r: dict[str, Any]) -> str:
            f"HBM per chip {hbm}",
            "| program | arguments | outputs | temporaries | total per chip | fits | TFLOPs (XLA) |",
            "|---|---|---|---|---|---|---|"]
-  for name in ("rl_step", "sampler"):
+  for name in (p for p in PROGRAMS if p in r):
     m = r[name]
     if "error" in m:
       lines.append(f"| {name} | — | — | — | — | NO | {m['error']} |")
@@ -219,7 +229,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:
     devices = topology_devices(_TOPOLOGY.value)
-    result = check(_CONFIG.value, devices, _HBM_GIB.value)
+    result = check(_CONFIG.value, devices, _HBM_GIB.value, tuple(_PROGRAMS.value))
   except ValueError as e:
     sys.exit(f"error: {e}")
   print(report(result), flush=True)

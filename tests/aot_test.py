@@ -33,6 +33,12 @@ def test_memory_reflects_parameter_sharding():
   assert "| rl_step |" in aot.report(replicated)
   tiny_hbm = aot.check(_smoke(), devices, hbm_gib=1e-4)
   assert not tiny_hbm["fits"]
+  fast = config_lib.base_config("llada")
+  config_lib.apply_preset(fast, "smoke")
+  fast.sampler.cache = "dual"  # one program: the fast sampler alone
+  only = aot.check(fast, devices, hbm_gib=1.0, programs=("sampler",))
+  assert "rl_step" not in only and only["sampler"]["total"] > 0 and only["fits"]
+  assert "| sampler |" in aot.report(only) and "| rl_step |" not in aot.report(only)
 
 
 def test_unknown_topology_is_a_one_line_error():
@@ -40,3 +46,8 @@ def test_unknown_topology_is_a_one_line_error():
                         "--topology=cpu:64"], capture_output=True, text=True, timeout=300)
   assert out.returncode == 1
   assert out.stderr.strip().splitlines()[-1].startswith("error: --topology=cpu:64")
+
+
+def test_unknown_program_is_named():
+  with pytest.raises(ValueError, match="--programs=rl_stepp: expected some of rl_step, sampler"):
+    aot.check(_smoke(), jax.devices("cpu")[:1], programs=("rl_stepp",))
