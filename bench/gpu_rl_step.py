@@ -128,10 +128,13 @@ def measure_family(family: str, args, peak: float, emit) -> None:
   batch, _ = rl.behaviour_pass(model, None, seqs, adv, jax.random.key(1), obj)
   optim_config = ml_collections.ConfigDict(dict(grad_clip=1.0, b1=0.9, b2=0.99, weight_decay=0.0,
                                                 decay_steps=0))
-  impls = ("dense", "blockwise") if family == "sdar" and args.blockwise else ("dense",)
+  # Blockwise first, so that the device's high-water mark after it is its own (and the phases').
+  impls = ("blockwise", "dense") if family == "sdar" and args.blockwise else ("dense",)
   for impl in impls:
     if impl != "dense":  # the same weights under the other attention
       model = models.create(model_config(family, args, attention_impl=impl), seed=0)
+    else:
+      model = models.create(cfg, seed=0)
     opt = nnx.Optimizer(model, optim.make_optimizer(1e-6, 0, 1000, optim_config), wrt=nnx.Param)
     try:
       t_update = best_seconds(lambda: rl.update(model, opt, batch, jax.random.key(2), obj=obj,
@@ -140,13 +143,12 @@ def measure_family(family: str, args, peak: float, emit) -> None:
       emit((f"  RL update, {impl} attention", "failed", "", "", f"{type(e).__name__}: "
             f"{str(e).splitlines()[0][:200]}"))
       continue
+    stats = jax.devices()[0].memory_stats() or {}
+    high = (f"; device memory high-water mark {stats['peak_bytes_in_use'] / 2**30:.1f} GiB"
+            if "peak_bytes_in_use" in stats else "")
     emit((f"  RL update, {impl} attention", f"{b * total / t_update:,.0f} tok/s",
           f"{t_update:.3f} s", f"MFU {work['update'] / t_update / peak:.1%}",
-          f"fwd+bwd+AdamW, accumulation {args.accumulation}"))
-  stats = jax.devices()[0].memory_stats() or {}
-  if "peak_bytes_in_use" in stats:
-    emit((f"  peak device memory so far", f"{stats['peak_bytes_in_use'] / 2**30:.1f} GiB", "", "",
-          ""))
+          f"fwd+bwd+AdamW, accumulation {args.accumulation}{high}"))
 
 
 def main() -> None:
