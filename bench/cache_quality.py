@@ -28,7 +28,8 @@ SETTINGS = (("exact", "none", 0.0), ("prefix", "prefix", 0.0), ("dual", "dual", 
             ("dual + threshold 0.9", "dual", 0.9), ("dual + threshold 0.7", "dual", 0.7))
 
 
-def evaluate_settings(workdir: str, step: int, settings=SETTINGS, batch_size: int = 0) -> list[dict]:
+def evaluate_settings(workdir: str, step: int, settings=SETTINGS,
+                      batch_size: int = 0) -> list[dict]:
   """One row per setting: label, accuracy, solve_rate, forwards, forward_tokens, seconds.
   `batch_size`: puzzles decoded together (0: the run's `eval.batch_size`)."""
   c = workdir_config.get_config(workdir)
