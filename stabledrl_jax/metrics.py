@@ -28,12 +28,13 @@ class StepResult(NamedTuple):
 
 def throughput(step_flops: dict[str, float], tokens: int, wall: float,
                peak: float | None = None) -> dict[str, float]:
-  """The step's wall time, tokens/s (in all and per device), the analytic FLOPs of each phase (`flops_<phase>`), the
-  achieved TFLOP/s per device over the step's wall time, and MFU against the device's bf16 `peak`
-  FLOP/s where it is known (`flops.peak_flops`; not on CPU)."""
+  """The step's wall time (`step_s`), tokens/s (in all and per device), the analytic FLOPs of each
+  phase (`flops_<phase>`), the achieved TFLOP/s per device over the step's wall time, and MFU
+  against the device's bf16 `peak` FLOP/s where it is known (`flops.peak_flops`; not on CPU)."""
   n = jax.device_count()
   total = sum(step_flops.values())
-  out = {"step_s": wall, "tokens_per_s": tokens / wall, "tokens_per_s_per_device": tokens / wall / n,
+  out = {"step_s": wall, "tokens_per_s": tokens / wall,
+         "tokens_per_s_per_device": tokens / wall / n,
          **{f"flops_{k}": v for k, v in step_flops.items()},
          "tflops_per_s_per_device": total / wall / n / 1e12}
   if peak:
