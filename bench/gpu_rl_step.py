@@ -19,7 +19,8 @@ timed on it (best of `--runs` after one untimed call that compiles):
   AdamW with fp32 master weights, whole-layer remat), with dense attention and, for SDAR, with the
   blockwise attention (`model.attention_impl=blockwise`).
 FLOPs are analytic (`stabledrl_jax.flops`, matrix multiplies only); MFU = FLOPs / time / measured
-peak. Peak memory is the device's `peak_bytes_in_use` after the family (where reported).
+peak. After each update the device's memory high-water mark (`peak_bytes_in_use`, where the
+backend reports it) is printed; the blockwise update runs first so that its mark is its own.
 """
 from __future__ import annotations
 
@@ -38,9 +39,6 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from stabledrl_jax import config_lib, flops, likelihood, models, optim, rl, samplers  # noqa: E402
-
-Row = tuple[str, str, str, str, str]
-
 
 def best_seconds(fn, runs: int) -> float:
   jax.block_until_ready(fn())  # compile and warm up
@@ -130,11 +128,9 @@ def measure_family(family: str, args, peak: float, emit) -> None:
                                                 decay_steps=0))
   # Blockwise first, so that the device's high-water mark after it is its own (and the phases').
   impls = ("blockwise", "dense") if family == "sdar" and args.blockwise else ("dense",)
-  for impl in impls:
-    if impl != "dense":  # the same weights under the other attention
+  for i, impl in enumerate(impls):
+    if i or impl != cfg.attention_impl:  # the same weights under this attention
       model = models.create(model_config(family, args, attention_impl=impl), seed=0)
-    else:
-      model = models.create(cfg, seed=0)
     opt = nnx.Optimizer(model, optim.make_optimizer(1e-6, 0, 1000, optim_config), wrt=nnx.Param)
     try:
       t_update = best_seconds(lambda: rl.update(model, opt, batch, jax.random.key(2), obj=obj,

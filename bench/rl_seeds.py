@@ -85,7 +85,7 @@ def main() -> None:
   spread = max(max(befores) - min(befores), max(afters) - min(afters))
   print(f"smallest gain {min(gains):+.3f}; spread between seeds (max - min, before or after RL) "
         f"{spread:.3f}: RL gain {'exceeds' if min(gains) > spread else 'does NOT exceed'} the spread")
-  print(f"\nRL step phases, seconds, median over the RL steps after the first (which compiles)")
+  print("\nRL step phases, seconds, median over the RL steps after the first (which compiles)")
   print(" | ".join(["seed", "sampler", *PHASES]))
   for s in seeds:
     print(" | ".join([f"{s:>4}", *phase_medians(workdirs[s])]))
