@@ -82,8 +82,9 @@ def abstract_model(cfg: models.ModelConfig, mesh) -> nnx.Module:
   return model
 
 
-def abstract_optimizer(model: nnx.Module, tx, mesh) -> nnx.Optimizer:
-  """The optimiser state, abstract: moments sharded like their parameters, the rest replicated."""
+def abstract_optimizer(model: nnx.Module, tx, mesh, offload: bool = False) -> nnx.Optimizer:
+  """The optimiser state, abstract: moments sharded like their parameters (in host memory with
+  `offload`, as `optim.offload` puts them), the rest replicated."""
   opt = nnx.eval_shape(lambda: nnx.Optimizer(model, tx, wrt=nnx.Param))
   by_path = {}
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
@@ -96,7 +97,8 @@ def abstract_optimizer(model: nnx.Module, tx, mesh) -> nnx.Optimizer:
     for i in range(len(keys)):
       p = by_path.get(keys[i:])
       if p is not None and p.shape == x.shape:
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.sharding)
+        kind = "pinned_host" if offload and optim.offloadable(x) else None
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.sharding.with_memory_kind(kind))
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
 
   state = nnx.state(opt)
@@ -129,7 +131,7 @@ def memory(compiled) -> dict[str, int]:
   m = compiled.memory_analysis()
   out = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
          "aliased": m.alias_size_in_bytes, "temporaries": m.temp_size_in_bytes,
-         "code": m.generated_code_size_in_bytes}
+         "code": m.generated_code_size_in_bytes, "host_arguments": m.host_argument_size_in_bytes}
   out["total"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temporaries"]
   return out
 
@@ -157,7 +159,7 @@ def check(c, devices: list, hbm_gib: float | None = None,
   obj = dataclasses.replace(config_lib.settings(c).objective, block_size=(
       cfg.block_size if c.family == "sdar" else c.sampler.block_length))
   tx = optim.make_optimizer(c.rl.lr, c.rl.warmup_steps, c.rl.steps * c.rl.updates_per_batch, c.optim)
-  opt = abstract_optimizer(model, tx, mesh)
+  opt = abstract_optimizer(model, tx, mesh, offload=c.optim.offload_state)
   batch = rl_batch_shapes(c, cfg, mesh)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=replicated)
@@ -221,6 +223,8 @@ def report(r: dict[str, Any]) -> str:
     flops = f"{m['flops'] / 1e12:.3g}" if "flops" in m else "—"
     lines.append(f"| {name} | {_size(m['arguments'])} | {_size(m['outputs'])} | "
                  f"{_size(m['temporaries'])} | {_size(m['total'])} | {fits} | {flops} |")
+    if m.get("host_arguments"):
+      lines.append(f"({name}: {_size(m['host_arguments'])} of arguments in host memory)")
   return "\n".join(lines)
 
 

@@ -125,6 +125,9 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   # AdamW's two moments: float32, or bfloat16 (weights and moments take 8 bytes per parameter
   # instead of 12; changes the numerics: the moments are rounded every step).
   c.optim.moment_dtype = "float32"
+  # True: the moments stay in host memory between updates and are copied to the accelerators for
+  # each update (frees their memory during the gradient computation; same numbers).
+  c.optim.offload_state = False
 
   c.sampler = ml_collections.ConfigDict()
   c.sampler.gen_length = 20
@@ -297,6 +300,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
       bad("task.sft_unfilled", "must lie in [0, 1)")
   if c.optim.moment_dtype not in ("float32", "bfloat16"):
     bad("optim.moment_dtype", "expected float32 or bfloat16")
+  if not isinstance(c.optim.offload_state, bool):
+    bad("optim.offload_state", "expected True or False")
   if c.sampler.temperature < 0:
     bad("sampler.temperature", "must be >= 0")
   if c.sampler.cache not in ("none", "prefix", "dual") or (

@@ -1,7 +1,8 @@
 """The optimiser of each stage: AdamW after global-norm clipping (its moments in float32, or with
 `optim.moment_dtype="bfloat16"` stored in bfloat16), warmup then linear decay, the
 rate injected (`optax.inject_hyperparams`) so that it is logged every step and the controls can
-scale it, and non-finite updates skipped.
+scale it, and non-finite updates skipped. With `optim.offload_state` the moments live in host
+memory between updates (`offload`); `apply` brings them to the accelerator for the update only.
 """
 from __future__ import annotations
 
@@ -91,7 +92,27 @@ def stage_optimizer(model, c, stage: str) -> nnx.Optimizer:
     tx = make_optimizer(c.rl.lr, c.rl.warmup_steps, c.rl.steps * c.rl.updates_per_batch, c.optim)
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   sharding.replicate_rest(optimizer, sharding.model_mesh(model))
+  if c.optim.get("offload_state", False):
+    offload(optimizer)
   return optimizer
+
+
+def offloadable(x) -> bool:  # the moments: floating arrays shaped like parameters, not counters
+  return jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 1
+
+
+def offload(optimizer: nnx.Optimizer) -> None:
+  """Move the optimiser's moments to host memory (`pinned_host`, same sharding), in place: an
+  accelerator then holds them only during `apply`. Costs two host<->device copies of the moments
+  per update (16 bytes per parameter with float32 moments, spread over the devices)."""
+  state = nnx.state(optimizer)
+  nnx.update(optimizer, jax.tree.map(
+      lambda x: jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
+      if offloadable(x) else x, state))
+
+
+def _on_host(x) -> bool:
+  return jax.typeof(x).memory_space == jax.memory.Space.Host
 
 
 def learning_rate(optimizer: nnx.Optimizer) -> jax.Array | None:
@@ -110,8 +131,14 @@ def all_finite(tree) -> jax.Array:
 
 def apply(model, optimizer: nnx.Optimizer, grads, **extra_args) -> dict[str, jax.Array]:
   """One optimiser update; the step's `grad_norm`, `skipped` (non-finite gradient) and `lr` (the
-  rate applied, where `learning_rate` knows it)."""
+  rate applied, where `learning_rate` knows it). Moments in host memory (`offload`) are copied to
+  the accelerator for the update and back after it."""
+  on_host = jax.tree.map(_on_host, nnx.state(optimizer))
+  moved = lambda space: jax.tree.map(
+      lambda x, h: jax.device_put(x, space) if h else x, nnx.state(optimizer), on_host)
+  nnx.update(optimizer, moved(jax.memory.Space.Device))
   optimizer.update(model, grads, **extra_args)
+  nnx.update(optimizer, moved(jax.memory.Space.Host))
   out = {"grad_norm": optax.tree.norm(grads), "skipped": ~all_finite(grads)}
   lr = learning_rate(optimizer)
   return out if lr is None else {**out, "lr": lr}

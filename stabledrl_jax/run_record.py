@@ -18,7 +18,7 @@ CHANGES_FILE = "config_changes.jsonl"
 # Keys (or sections, ending in ".") a resumed run can take from the new config.
 RESUMABLE = ("rl.steps", "eval.", "log_every", "checkpoint.", "stability.", "controls.", "mesh.",
              "rollout_mesh.", "task.data_dir", "task.source_dir", "model.remat", "sampler.cache",
-             "sampler.threshold")
+             "sampler.threshold", "optim.offload_state")
 
 
 class ConfigChangeError(ValueError):

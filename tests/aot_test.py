@@ -5,7 +5,9 @@ import sys
 import jax
 import pytest
 
-from stabledrl_jax import aot, config_lib
+from flax import nnx
+
+from stabledrl_jax import aot, config_lib, optim, sharding
 
 
 def _smoke(**mesh):
@@ -51,3 +53,17 @@ def test_unknown_topology_is_a_one_line_error():
 def test_unknown_program_is_named():
   with pytest.raises(ValueError, match="--programs=rl_stepp: expected some of rl_step, sampler"):
     aot.check(_smoke(), jax.devices("cpu")[:1], programs=("rl_stepp",))
+
+
+def test_offloaded_moments_are_abstract_host_arrays_and_compile():
+  # (XLA:CPU counts no separate host memory: the TPU figures are in BUILD.md.)
+  devices = jax.devices("cpu")[:8]
+  c = _smoke(data=1, fsdp=8)
+  c.optim.offload_state = True
+  mesh = sharding.make_mesh(c.mesh.to_dict(), devices)
+  model = aot.abstract_model(aot.model_config(c), mesh)
+  tx = optim.make_optimizer(1e-3, 0, 10, c.optim)
+  leaves = jax.tree.leaves(nnx.state(aot.abstract_optimizer(model, tx, mesh, offload=True)))
+  kinds = {(x.ndim > 0, x.sharding.memory_kind) for x in leaves}
+  assert kinds == {(True, "pinned_host"), (False, "device")}  # moments; counters and rates
+  assert aot.check(c, devices, hbm_gib=1.0, programs=("rl_step",))["fits"]

@@ -4,7 +4,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from stabledrl_jax import checkpointing, models
+from stabledrl_jax import checkpointing, models, optim
 
 
 def _model_and_opt(seed):
@@ -57,4 +57,24 @@ def test_restore_into_a_differently_sharded_model(tmp_path):
   emb = restored["embed"]["embedding"][...]
   assert len(emb.sharding.device_set) == 8  # landed in the new sharding
   jax.tree.map(np.testing.assert_array_equal, _params(model), _params(target))
+  ck.close()
+
+
+def test_round_trip_of_moments_in_host_memory(tmp_path):
+  # optim.offload_state: Orbax saves the moments from host memory and restores them there.
+  model, opt = _model_and_opt(0)
+  grads = jax.tree.map(lambda p: np.ones_like(p) * 0.1, nnx.state(model, nnx.Param))
+  opt.update(model, grads)
+  optim.offload(opt)
+  ck = checkpointing.Checkpointer(str(tmp_path), keep=1)
+  ck.save(1, model, opt, {"stage": "rl"})
+  ck.wait()
+  other, other_opt = _model_and_opt(1)
+  optim.offload(other_opt)
+  ck.restore(1, other, other_opt)
+  moments = [x for x in jax.tree.leaves(nnx.state(other_opt)) if x.ndim]
+  assert moments and {x.sharding.memory_kind for x in moments} == {"pinned_host"}
+  jax.tree.map(np.testing.assert_array_equal,
+               jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(opt))),
+               jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(other_opt))))
   ck.close()

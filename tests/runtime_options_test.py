@@ -1,6 +1,6 @@
-"""Execution options (remat policies, blockwise attention) leave one RL step's loss and
-parameters equal to the default's, and bfloat16 Adam moments change them by rounding only, on the
-tiny model sharded over 8 fake CPU devices."""
+"""Execution options (remat policies, blockwise attention, optimiser state in host memory) leave
+one RL step's loss and parameters equal to the default's, and bfloat16 Adam moments change them by
+rounding only, on the tiny model sharded over 8 fake CPU devices."""
 import dataclasses
 
 import jax
@@ -20,7 +20,7 @@ OPTIONS = {
 }
 
 
-def one_rl_step(tx=None, **options):
+def one_rl_step(tx=None, offload=False, **options):
   assert len(jax.devices()) == 8
   mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   cfg = models.tiny(vocab_size=40, mask_token_id=3, eos_token_id=2, pad_token_id=0,
@@ -29,6 +29,8 @@ def one_rl_step(tx=None, **options):
   # Plain SGD at lr 1: the parameter change is the gradient (Adam's first step, ~lr * sign(g),
   # would turn float noise in a near-zero gradient entry into a whole step).
   opt = nnx.Optimizer(model, tx or optax.chain(optax.sgd(1.0)), wrt=nnx.Param)
+  if offload:
+    optim.offload(opt)
   obj = dataclasses.replace(config_lib.settings(config_lib.base_config("sdar")).objective,
                             group_size=2, scheme="block_t", num_samples=2, block_size=4,
                             staircase=True)
@@ -43,6 +45,8 @@ def one_rl_step(tx=None, **options):
                                   jax.random.key(1), obj)
   out = rl.update(model, opt, batch, jax.random.key(2), obj=obj, accumulation=2)
   params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  if offload:
+    return float(out["loss"]), float(out["grad_norm"]), params, opt
   return float(out["loss"]), float(out["grad_norm"]), params
 
 
@@ -85,3 +89,14 @@ def test_bfloat16_moments_change_one_adamw_step_by_rounding_only():
   # 8 significant bits, so the step moves by at most ~1% of lr more or less.
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=0.01 * lr), params16,
                params32)
+
+
+def test_offloaded_optimizer_state_leaves_one_adamw_step_unchanged():
+  tx = optim.make_optimizer(1e-3, 0, 10, ml_collections.ConfigDict(dict(
+      b1=0.9, b2=0.99, weight_decay=0.1, grad_clip=1.0, decay_steps=0, moment_dtype="float32")))
+  want = one_rl_step(tx=tx)
+  loss, grad_norm, params, opt = one_rl_step(tx=tx, offload=True)
+  assert (loss, grad_norm) == want[:2]
+  jax.tree.map(np.testing.assert_array_equal, params, want[2])
+  kinds = {x.sharding.memory_kind for x in jax.tree.leaves(nnx.state(opt)) if x.ndim}
+  assert kinds == {"pinned_host"}  # the updated moments went back to host memory
