@@ -241,8 +241,11 @@ def update(model, optimizer, batch: RLBatch, key, clip_epsilon=None, lr_scale=1.
   def loss_fn(p, micro, k):
     return policy_loss(nnx.merge(graphdef, p, rest), micro, k, obj, clip_epsilon)
 
+  mesh = sharding.mesh_of(jax.tree.leaves(params)[0])
+
   def micro_step(grads, xs):  # one micro-batch; lax.scan compiles it once for all of them
     micro, k = xs
+    micro = sharding.constrain_batch(micro, mesh)  # each device computes its share of the rows
     (loss, m), g = jax.value_and_grad(loss_fn, has_aux=True)(params, micro, k)
     return jax.tree.map(jnp.add, grads, g), (loss, m)
 

@@ -23,9 +23,9 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from stabledrl_jax import models
+from stabledrl_jax.models.partitioning import BATCH_AXES, constrain_batch, mesh_of  # noqa: F401
 
 AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
 
 
 def mesh_shape(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
