@@ -132,3 +132,29 @@ def test_one_training_step_matches_a_single_device_on_every_mesh():
     np.testing.assert_allclose(got[:3], want[:3], rtol=2e-5, atol=1e-6, err_msg=str(sizes))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6,
                                                          err_msg=str(sizes)), got[3], want[3])
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_each_device_computes_its_share_of_a_micro_batch(accumulation):
+  # FSDP: the weights are gathered and the rows stay split. Left unconstrained, XLA gathered the
+  # rows instead (a matrix product on all of a micro-batch's tokens on every device), and with
+  # accumulation > 1 it computed each micro-batch whole on every device.
+  import re
+
+  from stabledrl_jax import aot, optim
+  c = config_lib.base_config("sdar")
+  config_lib.apply_preset(c, "smoke")
+  c.mesh.data, c.mesh.fsdp, c.rl.accumulation = 1, 8, accumulation
+  mesh = sharding.make_mesh(c.mesh.to_dict())
+  cfg = aot.model_config(c)
+  model = aot.abstract_model(cfg, mesh)
+  opt = aot.abstract_optimizer(model, optim.make_optimizer(1e-3, 0, 10, c.optim), mesh)
+  batch = aot.rl_batch_shapes(c, cfg, mesh)
+  obj = dataclasses.replace(config_lib.settings(c).objective, block_size=cfg.block_size)
+  key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype)
+  hlo = rl.update.lower(model, opt, batch, key, obj=obj, accumulation=accumulation).compile().as_text()
+  rows, m = batch.seqs.tokens_BxL.shape[0], c.rl.num_samples
+  length = 2 * batch.seqs.tokens_BxL.shape[1]  # the staircase's [x_t ; x_0]
+  tokens = {rows * m * length // accumulation // d for d in (1, 2, 4)}  # whole, or split < 8 ways
+  dots = {int(n) for n in re.findall(r"= \w+\[(\d+),\d+\]\S* dot\(", hlo)}
+  assert dots and not dots & tokens, (sorted(dots), sorted(tokens))
