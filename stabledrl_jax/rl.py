@@ -241,7 +241,7 @@ def update(model, optimizer, batch: RLBatch, key, clip_epsilon=None, lr_scale=1.
   def loss_fn(p, micro, k):
     return policy_loss(nnx.merge(graphdef, p, rest), micro, k, obj, clip_epsilon)
 
-  mesh = sharding.mesh_of(jax.tree.leaves(params)[0])
+  mesh = jax.typeof(jax.tree.leaves(params)[0]).sharding.mesh  # abstract inside jit
 
   def micro_step(grads, xs):  # one micro-batch; lax.scan compiles it once for all of them
     micro, k = xs

@@ -23,9 +23,9 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from stabledrl_jax import models
-from stabledrl_jax.models.partitioning import BATCH_AXES, constrain_batch, mesh_of  # noqa: F401
 
 AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
 
 
 def mesh_shape(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
@@ -103,6 +103,29 @@ def batch_sharding(mesh: Mesh, ndim: int, batch: int | None = None) -> NamedShar
   ways = math.prod(mesh.shape[a] for a in BATCH_AXES if a in mesh.shape)
   lead = BATCH_AXES if batch is None or batch % ways == 0 else None
   return NamedSharding(mesh, PartitionSpec(lead, *([None] * (ndim - 1))))
+
+
+def constrain_batch(tree, mesh):
+  """Inside `jit`: every array of `tree` with its leading axis split over `data` x `fsdp` (where
+  that divides; the rest replicated), as a sharding constraint. `mesh` may be abstract
+  (`jax.typeof(x).sharding.mesh`); without batch axes the tree is returned as it is.
+
+  A micro-batch sliced from a sharded batch (`x.reshape(accumulation, -1, ...)[a]`) lives on the
+  few devices that held those rows; left alone, the compiler computed each micro-batch's
+  attention whole on every device (the 8B programs for TPU: `[64, heads, 1544, tile]` scores
+  per chip where a quarter of the rows were that chip's share)."""
+  axes = tuple(a for a in BATCH_AXES if a in getattr(mesh, "axis_names", ()))
+  ways = math.prod(mesh.shape[a] for a in axes) if axes else 1
+  if ways == 1:
+    return tree
+
+  def put(x):
+    if x.ndim == 0 or x.shape[0] % ways:
+      return x
+    return jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh, PartitionSpec(axes, *([None] * (x.ndim - 1)))))
+
+  return jax.tree.map(put, tree)
 
 
 def process_rows(mesh: Mesh | None, rows: int) -> tuple[int, int]:

@@ -135,10 +135,10 @@ def test_one_training_step_matches_a_single_device_on_every_mesh():
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
-def test_each_device_computes_its_share_of_a_micro_batch(accumulation):
-  # FSDP: the weights are gathered and the rows stay split. Left unconstrained, XLA gathered the
-  # rows instead (a matrix product on all of a micro-batch's tokens on every device), and with
-  # accumulation > 1 it computed each micro-batch whole on every device.
+def test_each_device_attends_over_its_share_of_a_micro_batch(accumulation):
+  # A micro-batch sliced from the sharded batch lived on a few devices, and XLA computed its
+  # attention whole (or split 2-4 ways) on every device; rl.update constrains each micro-batch to
+  # the batch axes, so every device attends over rows / 8 sequences.
   import re
 
   from stabledrl_jax import aot, optim
@@ -153,8 +153,9 @@ def test_each_device_computes_its_share_of_a_micro_batch(accumulation):
   obj = dataclasses.replace(config_lib.settings(c).objective, block_size=cfg.block_size)
   key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype)
   hlo = rl.update.lower(model, opt, batch, key, obj=obj, accumulation=accumulation).compile().as_text()
-  rows, m = batch.seqs.tokens_BxL.shape[0], c.rl.num_samples
+  rows = batch.seqs.tokens_BxL.shape[0] * c.rl.num_samples // accumulation  # sequences per micro-batch
   length = 2 * batch.seqs.tokens_BxL.shape[1]  # the staircase's [x_t ; x_0]
-  tokens = {rows * m * length // accumulation // d for d in (1, 2, 4)}  # whole, or split < 8 ways
-  dots = {int(n) for n in re.findall(r"= \w+\[(\d+),\d+\]\S* dot\(", hlo)}
-  assert dots and not dots & tokens, (sorted(dots), sorted(tokens))
+  # [sequences, heads, T, S] scores and their products with values: leading dims per device
+  attention = {int(m.group(1)) for m in re.finditer(r"= \w+\[(\d+),\d+,(\d+),(\d+)\]\S* dot\(", hlo)
+               if length in (int(m.group(2)), int(m.group(3)))}
+  assert attention == {rows // 8}, (sorted(attention), rows)

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from stabledrl_jax.models import attention as attn_lib
-from stabledrl_jax.models import partitioning
 from stabledrl_jax.models.blockwise_attention import blockwise_attention
 from stabledrl_jax.models.config import ModelConfig
 
@@ -178,8 +177,7 @@ class Transformer(nnx.Module):
   def _trunk(self, ids_BxT, positions_BxT, mask_Bx1xTxS, past=None):
     """Final-normed hidden states and the per-layer (k, v) of these tokens."""
     cfg = self.config
-    mesh = partitioning.mesh_of(self.embed.embedding[...])
-    x_BxTxD = partitioning.constrain_batch(self.embed(ids_BxT), mesh)
+    x_BxTxD = self.embed(ids_BxT)
     cos, sin = rope_cos_sin(positions_BxT, cfg.head_dim, cfg.rope_theta)
     run = (functools.partial(_run_block_remat, policy=cfg.remat_policy) if cfg.remat
            else _run_block)
@@ -187,7 +185,6 @@ class Transformer(nnx.Module):
     for i, block in enumerate(self.blocks):
       past_kv = None if past is None else past[i]
       x_BxTxD, kv = run(block, x_BxTxD, cos, sin, mask_Bx1xTxS, past_kv)
-      x_BxTxD = partitioning.constrain_batch(x_BxTxD, mesh)  # FSDP: gather weights, not rows
       new_kvs.append(kv)
     return self.final_norm(x_BxTxD), new_kvs
 
