@@ -5,6 +5,8 @@ r"""StableDRL on a full-attention masked diffusion (LLaDA) model.
   python -m stabledrl_jax.main --config=configs/llada.py:8b \
       --config.model.checkpoint=/path/to/LLaDA-8B-Instruct --workdir=gs://bucket/runs/llada8b \
       --config.task.source_dir=/path/to/gsm8k   # train.jsonl, test.jsonl; or --config.task.source=public
+  # 8b and 8b_official fit a v5p-8 as they are; on a v6e-8 add --config.rl.accumulation=8
+  # (8b_official: 16) (BUILD.md, ahead-of-time fit check)
 
 Override any key with --config.a.b=value (e.g. --config.rl.objective=grpo).
 """

@@ -5,6 +5,8 @@ r"""StableDRL on a block-diffusion (SDAR) model.
   python -m stabledrl_jax.main --config=configs/sdar.py:8b \
       --config.model.checkpoint=/path/to/SDAR-8B-Chat --workdir=gs://bucket/runs/sdar8b \
       --config.task.source_dir=/path/to/gsm8k   # train.jsonl, test.jsonl; or --config.task.source=public
+  # 8b fits a v5p-8 as it is; on a v6e-8 add (BUILD.md, ahead-of-time fit check):
+  #   --config.model.attention_impl=blockwise --config.rl.accumulation=16
 
 Override any key with --config.a.b=value (e.g. --config.rl.objective=grpo).
 """
