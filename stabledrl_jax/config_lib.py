@@ -18,7 +18,7 @@ from stabledrl_jax.estimators import SCHEMES
 from stabledrl_jax.presets import PRESETS, apply_preset, official_gsm8k  # noqa: F401 (the configs' API)
 
 OBJECTIVES = ("stabledrl", "stabledrl_spg", "grpo", "espo", "spg", "wd1", "spg_is")
-TASKS = ("countdown", "sudoku", "gsm8k", "math500", "jsonl")  # or an import path pkg.mod:TASK
+TASKS = ("sorting", "countdown", "sudoku", "gsm8k", "math500", "jsonl")  # or an import path pkg.mod:TASK
 
 
 def resolve_config_arg(arg: str) -> str:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import ml_collections
 
 
-PRESETS = ("tiny", "smoke", "8b", "8b_official")
+PRESETS = ("tiny", "smoke", "sorting", "8b", "8b_official")
 
 
 def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
-  """`tiny` is the default; `smoke` the same path in minutes; `8b` the published settings;
-  `8b_official` the official StableDRL code's GSM8K run (`official_gsm8k`)."""
+  """`tiny` is the default; `smoke` the same path in minutes; `sorting` the tiny model with a clean
+  demonstrator on sorting digits (README: RL from a clean demonstrator); `8b` the published
+  settings; `8b_official` the official StableDRL code's GSM8K run (`official_gsm8k`)."""
   if preset not in PRESETS:
     raise ValueError(f"unknown config preset {preset!r}: expected one of {PRESETS}")
   if preset == "smoke":
@@ -22,6 +23,14 @@ def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
     c.sampler.steps = 5 if c.family == "llada" else 2
     c.eval.num_examples, c.eval.every = 32, 4
     c.checkpoint.every = 4
+  elif preset == "sorting":
+    # Clean SFT stopped early (partial skill), then RL on the same instance distribution.
+    c.task.name, c.task.num_train, c.task.max_prompt_len = "sorting", 20_000, 12
+    c.sft.steps = 80 if c.family == "sdar" else 150
+    c.rl.steps, c.eval.every = 60, 20
+    c.sampler.gen_length = 12  # <answer>, 8 digits, </answer>, the stop token, one spare
+    c.sampler.steps = 4 if c.family == "sdar" else 12  # one token per step
+    c.checkpoint.every = c.sft.steps  # the SFT checkpoint is kept for continuing RL from it
   elif preset in ("8b", "8b_official"):
     # docs/method.md §6: the official StableDRL settings (GSM8K), fp32 master weights, bf16 compute.
     c.model.checkpoint = "/path/to/checkpoint"  # must be overridden

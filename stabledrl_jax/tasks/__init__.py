@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from stabledrl_jax.tasks import countdown, gsm8k, jsonl, math500, sudoku
+from stabledrl_jax.tasks import countdown, gsm8k, jsonl, math500, sorting, sudoku
 from stabledrl_jax.tasks.base import Example, RewardFn, Task, weighted_reward
 
 TASKS: dict[str, Task] = {
-    task.name: task for task in (countdown.TASK, sudoku.TASK, gsm8k.TASK, math500.TASK)
+    task.name: task for task in (countdown.TASK, sorting.TASK, sudoku.TASK, gsm8k.TASK,
+                             math500.TASK)
 }
 
 

@@ -21,7 +21,7 @@ import tensorflow_datasets as tfds
 from tensorflow_datasets.core import hashing as tfds_hashing
 
 from stabledrl_jax.tasks import TASKS as BUILT_IN
-from stabledrl_jax.tasks import base, countdown, gsm8k, math500, sudoku
+from stabledrl_jax.tasks import base, countdown, gsm8k, math500, sorting, sudoku
 
 _TEXT = tfds.features.Text
 _VERSION = tfds.core.Version("1.0.0")
@@ -65,6 +65,7 @@ def _countdown_features() -> tfds.features.FeaturesDict:
 # hash of their index), so the same seed gives the same examples in the same order as before.
 GENERATOR_DEFAULTS = {
     "countdown": dict(num_train=10_000, num_test=256, seed=0, target_min=1, target_max=100),
+    "sorting": dict(num_train=10_000, num_test=256, seed=0, length=8),
     "sudoku": dict(num_train=10_000, num_test=500, blanks=8, seed=0, split_seed=0,
                    num_test_grids=88),
 }
@@ -74,7 +75,7 @@ def generated_examples(task: str, split: str, **config: Any) -> list[dict]:
   """`split` ("train" or "test") of a generated task; `config` overrides GENERATOR_DEFAULTS.
 
   Countdown's train and test streams use different seeds; Sudoku's test puzzles come only from
-  held-out solution grids.
+  held-out solution grids, and sorting's test instances only from held-out answers.
   """
   if task not in GENERATOR_DEFAULTS:
     raise ValueError(f"task {task!r} has no generator; use source='local'")
@@ -88,6 +89,8 @@ def generated_examples(task: str, split: str, **config: Any) -> list[dict]:
   if task == "countdown":
     seed = 2 * c["seed"] + (split == "test")
     examples = list(countdown.generate_many(n, seed, (c["target_min"], c["target_max"])))
+  elif task == "sorting":
+    examples = [sorting.generate(c["seed"], i, split, c["length"]) for i in range(n)]
   else:
     examples = list(sudoku.generate_many(n, c["seed"], split=split, blanks=c["blanks"],
                                          split_seed=c["split_seed"], num_test=c["num_test_grids"]))
