@@ -115,6 +115,8 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.rl.spg_omega = 0.5
   c.rl.spg_beta = 1.5
   c.rl.adversarial = 0.0        # > 0: docs/method.md §8 ratio explosion on this fraction of rollouts (0.7)
+  c.rl.filter_zero_advantage = False  # DAPO dynamic sampling: refill groups with equal rewards
+  c.rl.max_prompt_draws = 4     # ... drawing at most this many prompt batches a step (first too)
 
   c.optim = ml_collections.ConfigDict()
   c.optim.b1 = 0.9
@@ -238,7 +240,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
       bad(key, "must be a positive integer" if key not in ("sft.steps", "rl.steps") else "must be >= 0")
   for key in ("sft.batch_size", "rl.prompts_per_step", "rl.group_size", "rl.updates_per_batch",
               "rl.accumulation", "rl.num_samples", "sampler.gen_length", "sampler.steps",
-              "eval.num_examples", "eval.batch_size", "checkpoint.keep", "task.max_prompt_len"):
+              "eval.num_examples", "eval.batch_size", "checkpoint.keep", "task.max_prompt_len",
+              "rl.max_prompt_draws"):
     stage, name = key.split(".")
     if c[stage][name] < 1:
       bad(key, "must be >= 1")
@@ -303,6 +306,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
     bad("optim.moment_dtype", "expected float32 or bfloat16")
   if not isinstance(c.optim.offload_state, bool):
     bad("optim.offload_state", "expected True or False")
+  if not isinstance(c.rl.filter_zero_advantage, bool):
+    bad("rl.filter_zero_advantage", "expected True or False")
   if c.sampler.temperature < 0:
     bad("sampler.temperature", "must be >= 0")
   if c.sampler.cache not in ("none", "prefix", "dual") or (

@@ -266,6 +266,104 @@ _advantages = jax.jit(losses.group_advantages, static_argnames=("group_size", "m
 _step_diagnostics = jax.jit(diagnostics.step_diagnostics, static_argnames=("group_size", "ngram"))
 
 
+# ----------------------------------------------------------------------------- dynamic sampling
+
+
+class Sampled(NamedTuple):
+  """A step's rollouts under `rl.filter_zero_advantage` (`dynamic_sample`)."""
+  rollout: samplers.Rollout  # the step's B rollouts (`select_groups`), one draw's shape
+  rewards_B: np.ndarray      # their rewards, on the host
+  logs: list                 # each draw's `llada_cached.rollout_record`
+  tokens: int                # completion tokens generated over all the draws
+  record: dict               # groups_drawn, groups_kept, prompt_draws
+
+
+def has_signal(rewards_B: np.ndarray, group_size: int) -> np.ndarray:
+  """`[N]`: whether each group's rewards differ (max > min, exactly). Only those groups have a
+  non-zero advantage, whatever `rl.advantage`; a group with a NaN reward counts as without."""
+  r_NxG = np.asarray(rewards_B, np.float32).reshape(-1, group_size)
+  return r_NxG.max(axis=1) > r_NxG.min(axis=1)
+
+
+def select_groups(signal_DxN: list[np.ndarray], want: int) -> list[tuple[int, int]]:
+  """The step's `want` groups as (draw, group) pairs, in draw order: the first `want` drawn groups
+  with signal and, when fewer have it, the earliest drawn groups without it to fill the batch."""
+  drawn = [(d, n) for d, signal_N in enumerate(signal_DxN) for n in range(len(signal_N))]
+  kept = [(d, n) for d, n in drawn if signal_DxN[d][n]][:want]
+  fill = [(d, n) for d, n in drawn if not signal_DxN[d][n]][:want - len(kept)]
+  return sorted(kept + fill)
+
+
+@jax.jit
+def _take_rows(base, source, pick_B, rows_B):
+  """`base` with its row `b` replaced by `source`'s row `rows_B[b]` where `pick_B[b]`: one
+  program for every draw, whatever it contributes."""
+  def take(x, y):
+    return jnp.where(pick_B.reshape(-1, *(1,) * (x.ndim - 1)), jnp.take(y, rows_B, axis=0), x)
+  return jax.tree.map(take, base, source)
+
+
+def _merged_log(logs: list[dict]) -> dict:
+  """One rollout log for all the draws: seconds summed, forwards and forward tokens per rollout
+  averaged over every drawn rollout (the draws are the same size), generated tokens/s overall."""
+  if len(logs) == 1:
+    return logs[0]
+  seconds = sum(log["rollout_s"] for log in logs)
+  tokens = sum(log["rollout_tokens_per_s"] * log["rollout_s"] for log in logs)
+  mean = lambda k: float(np.mean([log[k] for log in logs]))
+  return {**logs[0], "rollout_forwards": mean("rollout_forwards"),
+          "rollout_forward_tokens": mean("rollout_forward_tokens"), "rollout_s": seconds,
+          "rollout_tokens_per_s": tokens / seconds}
+
+
+def dynamic_sample(c, s, data, model, batch, key, rollout_mesh=None) -> Sampled:
+  """DAPO's dynamic sampling (`rl.filter_zero_advantage`), on one process.
+
+  Rolls out and scores the step's prompts `batch` with `key` (as the plain step does), then further
+  batches of `data.rl`, the d-th with `fold_in(key, d)`, until `rl.prompts_per_step` groups have
+  rewards that differ (`has_signal`) or `rl.max_prompt_draws` batches are drawn. The step's batch
+  (`select_groups`) has one draw's shape, so nothing recompiles; filler groups carry zero
+  advantage and add nothing to the gradient. When the first draw's groups all have signal this
+  is the plain step's batch, bit for bit.
+  """
+  group, want = c.rl.group_size, c.rl.prompts_per_step
+  rollouts, rewards, signal, logs = [], [], [], []
+  for d in range(c.rl.max_prompt_draws):
+    if d:
+      batch = next(data.rl)
+    ids, mask, examples = _repeat_groups(batch, group)
+    t = time.perf_counter()
+    rollouts.append(generate(model, ids, mask, jax.random.fold_in(key, d) if d else key,
+                             s.sampling, rows=want * group, rollout_mesh=rollout_mesh))
+    logs.append(llada_cached.rollout_record(s.sampling, rollouts[-1], t))
+    rewards.append(score(data.tokenizer, rollouts[-1], examples, data.reward_fn))
+    signal.append(has_signal(rewards[-1], group))
+    if sum(int(np.sum(x)) for x in signal) >= want:
+      break
+  picks = select_groups(signal, want)
+  rows_B = np.array([n * group + g for _, n in picks for g in range(group)], np.int32)
+  rewards_B = np.concatenate([rewards[d][n * group:(n + 1) * group] for d, n in picks])
+  rollout = rollouts[0]
+  if picks != [(0, n) for n in range(want)]:
+    draw_B = np.repeat([d for d, _ in picks], group)
+    for d, source in enumerate(rollouts):
+      if np.any(draw_B == d):
+        rollout = _take_rows(rollout, source, draw_B == d, rows_B)
+    rollout = sharding.shard_batch(rollout, sharding.model_mesh(model))
+  tokens = sum(int(jnp.sum(r.lengths_B)) for r in rollouts)
+  kept = sum(int(signal[d][n]) for d, n in picks)
+  record = {"groups_drawn": want * len(rollouts), "groups_kept": kept,
+            "prompt_draws": len(rollouts)}
+  return Sampled(rollout, rewards_B, logs, tokens, record)
+
+
+def _repeat_groups(batch, group: int):
+  """A prompt batch's ids, mask and examples, each prompt repeated `group` times (its group)."""
+  return (np.repeat(batch["prompt_ids_BxP"], group, axis=0),
+          np.repeat(batch["prompt_mask_BxP"], group, axis=0),
+          [ex for ex in batch["examples"] for _ in range(group)])
+
+
 # ----------------------------------------------------------------------------- the step
 
 
@@ -273,21 +371,30 @@ def step(c, s, data, model, ref_model, optimizer, key, clip_epsilon: float | Non
          lr_scale: float = 1.0, rollout_mesh=None) -> metrics.StepResult:
   """One RL step of the run configured by `c` (`s = config_lib.settings(c)`) on this process's
   next prompts of `data.rl`: rollouts -> rewards -> advantages -> behaviour log-probs -> μ
-  optimiser updates -> diagnostics."""
+  optimiser updates -> diagnostics. With `rl.filter_zero_advantage` the rollouts are
+  `dynamic_sample`'s and the record adds its `groups_drawn`, `groups_kept`, `prompt_draws`."""
   obj, group = s.objective, s.objective.group_size
+  dynamic = c.rl.get("filter_zero_advantage", False)
+  if dynamic and jax.process_count() > 1:
+    raise ValueError(f"config.rl.filter_zero_advantage=True: supported on one process only, not "
+                     f"{jax.process_count()}")
   k_roll, k_mask, k_update = jax.random.split(key, 3)
   batch = next(data.rl)  # this process's prompts: rows [start, ...) of the step's B rollouts
-  ids = np.repeat(batch["prompt_ids_BxP"], group, axis=0)
-  mask = np.repeat(batch["prompt_mask_BxP"], group, axis=0)
-  examples = [ex for ex in batch["examples"] for _ in range(group)]
+  ids, mask, examples = _repeat_groups(batch, group)
   rows, start = c.rl.prompts_per_step * group, data.rl_rows[0] * group
 
   t_rollout = time.perf_counter()
-  rollout = generate(model, ids, mask, k_roll, s.sampling, rows=rows, start=start,
-                     rollout_mesh=rollout_mesh)
-  rollout_log = llada_cached.rollout_record(s.sampling, rollout, t_rollout)
-  rewards = sharding.shard_batch(score(data.tokenizer, rollout, examples, data.reward_fn, start),
-                                 sharding.model_mesh(model), rows=rows, start=start)
+  sampled = None
+  if dynamic:  # more prompt batches until enough groups have signal (`dynamic_sample`)
+    sampled = dynamic_sample(c, s, data, model, batch, k_roll, rollout_mesh)
+    rollout, host_rewards = sampled.rollout, sampled.rewards_B
+    rollout_log = _merged_log(sampled.logs)
+  else:
+    rollout = generate(model, ids, mask, k_roll, s.sampling, rows=rows, start=start,
+                       rollout_mesh=rollout_mesh)
+    rollout_log = llada_cached.rollout_record(s.sampling, rollout, t_rollout)
+    host_rewards = score(data.tokenizer, rollout, examples, data.reward_fn, start)
+  rewards = sharding.shard_batch(host_rewards, sharding.model_mesh(model), rows=rows, start=start)
   adv = _advantages(rewards, group_size=group, mode=c.rl.advantage)
   t_behaviour = time.perf_counter()
   rl_batch, entropy = jax.block_until_ready(behaviour_pass(
@@ -313,10 +420,19 @@ def step(c, s, data, model, ref_model, optimizer, key, clip_epsilon: float | Non
       tokens_BxL=rollout.completion_BxC)))
   record.update(rollout_log)
   length = rl_batch.seqs.tokens_BxL.shape[1]
-  step_flops = flops.rl_step_flops(model.config, flops.StepShape(
+  shape = flops.StepShape(
       rows=rl_batch.seqs.tokens_BxL.shape[0], prompt=ids.shape[1], gen=c.sampler.gen_length,
       total=length, samples=obj.num_samples, updates=c.rl.updates_per_batch,
       sampler_steps=c.sampler.steps, staircase=obj.staircase, reference=ref_model is not None,
       block=obj.block_size if obj.staircase else c.sampler.block_length,
-      forwards=rollout_log["rollout_forwards"], forward_tokens=rollout_log["rollout_forward_tokens"]))
-  return metrics.StepResult(record, int(jnp.sum(rollout.lengths_B)), step_flops)
+      forwards=rollout_log["rollout_forwards"], forward_tokens=rollout_log["rollout_forward_tokens"])
+  step_flops = flops.rl_step_flops(model.config, shape)
+  if sampled is None:
+    return metrics.StepResult(record, int(jnp.sum(rollout.lengths_B)), step_flops)
+  # Dynamic sampling: the rollout FLOPs and generated tokens of every draw, summed.
+  record.update(sampled.record)
+  step_flops["rollout"] = sum(
+      flops.rl_step_flops(model.config, dataclasses.replace(
+          shape, forwards=log["rollout_forwards"], forward_tokens=log["rollout_forward_tokens"]))[
+              "rollout"] for log in sampled.logs)
+  return metrics.StepResult(record, sampled.tokens, step_flops)
