@@ -1,0 +1,163 @@
+"""bench/objectives.py: its per-run figures against hand-computed numbers, and (slow) the whole
+script at a few steps of a very small model."""
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PATH = os.path.join(REPO, "bench", "objectives.py")
+NAN, INF = math.nan, math.inf
+
+
+def _bench():
+  spec = importlib.util.spec_from_file_location("bench_objectives", _PATH)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module
+  spec.loader.exec_module(module)
+  return module
+
+
+bench = _bench()
+
+
+def test_an_update_ten_times_the_running_median_is_an_explosion():
+  # Medians of the per-step norms so far: 1, 1, 1, 1 (the 20 itself enters the fourth).
+  assert bench.explosions([1.0, 1.0, 1.0, 20.0], [1.0, 1.0, 1.0, 20.0]) == [False] * 3 + [True]
+  assert bench.explosions([1.0, 1.0, 1.0, 10.0], [1.0, 1.0, 1.0, 10.0]) == [False] * 4  # not above
+  # The largest of a step's μ updates against the median of the steps' mean norms.
+  assert bench.explosions([5.0, 25.0], [2.0, 2.0]) == [False, True]
+  assert bench.explosions([15.0], [1.0]) == [True]  # the first step: its own mean is the median
+
+
+def test_non_finite_norms_are_explosions_and_left_out_of_the_median():
+  norms = [1.0, NAN, INF, 2.0, 25.0]
+  assert bench.running_medians(norms)[1:] == [1.0, 1.0, 1.5, 2.0]
+  assert bench.explosions(norms, norms) == [False, True, True, False, True]
+
+
+def test_the_median_runs_with_the_steps():
+  # Medians 1, 1.5, 2, 16, 30, 30: 30 explodes against 2 at the third step, not later.
+  norms = [1.0, 2.0, 30.0, 30.0, 30.0, 30.0]
+  assert bench.running_medians(norms) == [1.0, 1.5, 2.0, 16.0, 30.0, 30.0]
+  assert bench.explosions(norms, norms) == [False, False, True, False, False, False]
+  # Zero norms (no group with a learning signal) are no evidence of scale: no median, no explosion.
+  assert bench.explosions([0.0, 0.0, 1.0], [0.0, 0.0, 1.0]) == [False] * 3
+  assert bench.explosions([0.0, 11.0], [0.0, 1.0]) == [False, True]
+
+
+def test_diff_std_and_the_accuracy_curve():
+  # Changes 0.2, -0.1, 0.2: mean 0.1, deviations 0.1, -0.2, 0.1, variance 0.06 / 3.
+  assert bench.diff_std([0.1, 0.3, 0.2, 0.4]) == pytest.approx(math.sqrt(0.02))
+  assert bench.diff_std([0.5, 0.5, 0.5]) == 0.0
+  assert math.isnan(bench.diff_std([0.5]))
+  evals = [{"tag": "after SFT", "step": 4, "accuracy": 0.1},
+           {"tag": "before RL", "step": 5, "accuracy": 0.2},
+           {"tag": "after 2 RL steps", "step": 6, "accuracy": 0.3},
+           {"tag": "after RL", "step": 8, "accuracy": 0.5}]
+  assert bench.accuracy_curve(evals, first_rl_step=5) == [(0, 0.2), (2, 0.3), (4, 0.5)]
+
+
+def _rows(n, sft=2, **per_step):
+  rows = [{"step": s, "stage": "sft", "loss": 1.0} for s in range(sft)]
+  for i in range(n):
+    row = {"step": sft + i, "stage": "rl", "grad_norm": 1.0, "grad_norm_max": 2.0,
+           "reward_mean": i / 10}
+    row.update({k: v[i] for k, v in per_step.items() if v[i] is not None})
+    rows.append(row)
+  return rows
+
+
+def test_summarise_rows_by_hand():
+  events = [["kl_alarm"], None, ["low_entropy_collapse", "kl_alarm"], *[None] * 9]
+  top = [2.0, "nan", "inf", *[2.0] * 8, 30.0]  # metrics.jsonl writes non-finite norms as strings
+  rows = _rows(12, grad_norm_max=top, events=events)
+  rows[2 + 1]["grad_norm"] = "nan"
+  evals = [{"tag": "before RL", "step": 2, "accuracy": 0.25},
+           {"tag": "after 6 RL steps", "step": 7, "accuracy": 0.5},
+           {"tag": "after RL", "step": 13, "accuracy": 0.25}]
+  s = bench.summarise_rows(rows, evals)
+  assert s["steps"] == 12 and s["finished"]
+  assert s["explosion_rate"] == pytest.approx(3 / 12)  # nan, inf, and 30 > 10 x median 1
+  assert (s["norm_mean"], s["norm_median"], s["norm_max"], s["nonfinite"]) == (1.0, 1.0, 30.0, 2)
+  assert s["reward_first"] == pytest.approx(0.45) and s["reward_last"] == pytest.approx(0.65)
+  assert s["reward_smoothness"] == pytest.approx(0.0, abs=1e-12)  # rewards rise by 0.1 each step
+  assert s["accuracy_smoothness"] == pytest.approx(0.25)  # changes +0.25, -0.25
+  assert s["events"] == {"kl_alarm": 2, "low_entropy_collapse": 1}
+  assert (s["collapses"], s["kl_alarms"]) == (1, 2)
+  assert (s["before"], s["after"]) == (0.25, 0.25)
+  assert s["accuracy_curve"] == [(0, 0.25), (6, 0.5), (12, 0.25)]
+  assert s["norm_curve"][0] == (1, 2.0) and math.isnan(s["norm_curve"][1][1])
+
+
+def test_started_from_the_sft_checkpoint():
+  rl = [r for r in _rows(3, sft=4) if r["stage"] == "rl"]
+  before = [{"tag": "before RL", "step": 4, "accuracy": 0.0}]
+  assert bench.started_from(rl, before, sft_steps=4) is None
+  assert "SFT steps" in bench.started_from(_rows(3, sft=4), before, sft_steps=4)
+  assert "first RL step is 4" in bench.started_from(rl, before, sft_steps=2)
+  assert "before RL" in bench.started_from(rl, [], sft_steps=4)
+
+
+def test_spread_and_mean_curve():
+  assert bench.spread([1.0, 3.0, NAN]) == (2.0, 2.0)
+  assert all(math.isnan(v) for v in bench.spread([NAN]))
+  assert bench.mean_curve([[(1, 1.0), (2, NAN)], [(1, 3.0), (2, 4.0)]]) == [
+      (1, 2.0, False), (2, 4.0, True)]
+
+
+def test_plan_and_regimes():
+  published, family = bench.published_settings("configs/sdar.py")
+  assert family == "sdar"
+  assert published == {"rl.scheme": "block_t", "rl.num_samples": 2, "rl.coupling": "coupled",
+                       "rl.updates_per_batch": 2, "rl.epsilon": 5.0, "rl.max_ratio": 5.0,
+                       "rl.ppo_epsilon": 0.5}
+  settings = bench.regimes(published, 1e-4, ["published", "noisy"], [], family)
+  assert settings["noisy"] == {"rl.num_samples": 1, "rl.coupling": "independent",
+                               "rl.updates_per_batch": 4, "optim.grad_clip": 0.2, "rl.lr": 1e-4}
+  runs = bench.plan(list(bench.OBJECTIVES), settings, [], [0, 1, 2])
+  assert len(runs) == 2 * 4 * 3
+  assert runs[0] == bench.Run("published", "stabledrl", 0, {**published,
+                                                             "rl.objective": "stabledrl"})
+  runs = bench.plan(["grpo"], settings, ["eps_sweep", "wd1"], [0])
+  assert [(r.regime, r.variant) for r in runs] == [
+      ("published", "grpo"), ("published", "wd1"), ("noisy", "grpo"), ("noisy", "wd1"),
+      ("noisy", "stabledrl"), ("noisy", "stabledrl_eps100"), ("noisy", "stabledrl_eps1000"),
+      ("noisy", "stabledrl_max_ratio5")]
+  assert runs[-1].overrides["rl.max_ratio"] == 5.0 and runs[-1].overrides["rl.lr"] == 1e-4
+  with pytest.raises(ValueError, match="LLaDA"):
+    bench.regimes(published, 1e-4, ["noisy"], ["dual"], family)
+  noclip = bench.regimes(published, 1e-4, ["noisy"], ["noclip"], family)["noisy_noclip"]
+  assert noclip["optim.grad_clip"] == 1e9 and noclip["rl.num_samples"] == 1
+
+
+# The smallest run of the whole path (tests/custom_task_test.py's TINY, on the Sudoku default).
+TINY = ("--config.model.n_layers=1", "--config.model.d_model=32", "--config.model.n_heads=2",
+        "--config.model.n_kv_heads=2", "--config.model.mlp_dim=64", "--config.sft.steps=2",
+        "--config.sft.batch_size=8", "--config.rl.prompts_per_step=2", "--config.rl.group_size=2",
+        "--config.sampler.steps=2", "--config.task.num_train=16", "--config.task.num_test=4",
+        "--config.eval.num_examples=4", "--config.eval.every=1", "--config.eval.batch_size=4")
+
+
+@pytest.mark.slow
+def test_the_script_runs_rl_from_one_sft_checkpoint(tmp_path):
+  env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}
+  out = subprocess.run([sys.executable, _PATH, f"--root={tmp_path}", "--seeds=0",
+                        "--objectives=stabledrl,grpo", "--regimes=noisy", "--rl_steps=2",
+                        "--parallel=2", "--", *TINY], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  text = (tmp_path / "objectives.md").read_text()
+  assert "| noisy | StableDRL | 1/1 |" in text and "| noisy | GRPO (d1) | 1/1 |" in text
+  assert (tmp_path / "objectives.png").stat().st_size > 0
+  for obj in ("stabledrl", "grpo"):
+    workdir = tmp_path / "noisy" / f"{obj}_seed0"
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["stage"]) for r in rows] == [(2, "rl"), (3, "rl")]  # no SFT of its own
+    tags = [(e["tag"], e["step"]) for e in map(json.loads, (workdir / "eval.jsonl").open())]
+    assert tags == [("before RL", 2), ("after 1 RL steps", 2), ("after RL", 3)]
+    assert json.loads((workdir / "config.json").read_text())["rl"]["objective"] == obj
