@@ -148,6 +148,8 @@ def summarise_rows(rows: list[dict], evals: list[dict]) -> dict[str, Any]:
       "events": dict(events),
       "before": tags.get("before RL", math.nan),
       "after": tags.get("after RL", math.nan),
+      "solved_after": next((as_float(e["solve_rate"]) for e in evals
+                            if e["tag"] == "after RL" and "solve_rate" in e), math.nan),
       "reward_first": statistics.fmean(reward[:EDGE_STEPS]) if reward else math.nan,
       "reward_last": statistics.fmean(reward[-EDGE_STEPS:]) if reward else math.nan,
       "accuracy_curve": acc,
@@ -252,7 +254,8 @@ COLUMNS = (  # (summary key, header, format)
     ("nonfinite", "non-finite steps", ".3g"), ("reward_smoothness", "σ Δreward", ".3f"),
     ("accuracy_smoothness", "σ Δacc.", ".3f"), ("collapses", "collapse events", ".3g"),
     ("kl_alarms", "KL alarms", ".3g"), ("before", "acc. before RL", ".3f"),
-    ("after", "acc. after RL", ".3f"), ("reward_first", "reward first 10", ".3f"),
+    ("after", "acc. after RL", ".3f"), ("solved_after", "solved after RL", ".3f"),
+    ("reward_first", "reward first 10", ".3f"),
     ("reward_last", "reward last 10", ".3f"))
 
 

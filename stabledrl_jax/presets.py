@@ -6,13 +6,14 @@ from __future__ import annotations
 import ml_collections
 
 
-PRESETS = ("tiny", "smoke", "sorting", "8b", "8b_official")
+PRESETS = ("tiny", "smoke", "sudoku", "8b", "8b_official")
 
 
 def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
-  """`tiny` is the default; `smoke` the same path in minutes; `sorting` the tiny model with a clean
-  demonstrator on sorting digits (README: RL from a clean demonstrator); `8b` the published
-  settings; `8b_official` the official StableDRL code's GSM8K run (`official_gsm8k`)."""
+  """`tiny` is the default (clean SFT, then RL, on sorting digits); `smoke` the same path in
+  minutes; `sudoku` the earlier main job (4x4 Sudoku from a demonstrator that leaves half the
+  blanks empty); `8b` the published settings; `8b_official` the official StableDRL code's GSM8K
+  run (`official_gsm8k`)."""
   if preset not in PRESETS:
     raise ValueError(f"unknown config preset {preset!r}: expected one of {PRESETS}")
   if preset == "smoke":
@@ -20,17 +21,16 @@ def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
     c.task.num_train, c.task.num_test = 256, 32
     c.sft.steps, c.sft.batch_size = 6, 16
     c.rl.steps, c.rl.prompts_per_step, c.rl.group_size = 6, 4, 4
-    c.sampler.steps = 5 if c.family == "llada" else 2
+    c.sampler.steps = 6 if c.family == "llada" else 2
     c.eval.num_examples, c.eval.every = 32, 4
     c.checkpoint.every = 4
-  elif preset == "sorting":
-    # Clean SFT stopped early (partial skill), then RL on the same instance distribution.
-    c.task.name, c.task.num_train, c.task.max_prompt_len = "sorting", 20_000, 12
-    c.sft.steps = 80 if c.family == "sdar" else 150
-    c.rl.steps, c.eval.every = 60, 20
-    c.sampler.gen_length = 12  # <answer>, 8 digits, </answer>, the stop token, one spare
-    c.sampler.steps = 4 if c.family == "sdar" else 12  # one token per step
-    c.checkpoint.every = c.sft.steps  # the SFT checkpoint is kept for continuing RL from it
+  elif preset == "sudoku":
+    # README "What RL does in the Sudoku job": SFT imitates a demonstrator that leaves each blank
+    # empty with probability task.sft_unfilled; RL on the true reward undoes it.
+    c.task.name, c.task.num_train, c.task.max_prompt_len = "sudoku", 2000, 24
+    c.sft.steps = 300 if c.family == "sdar" else 700  # full attention learns Sudoku more slowly
+    c.rl.steps, c.rl.warmup_steps, c.eval.every = 40, 0, 10
+    c.sampler.gen_length, c.sampler.steps = 20, 10
   elif preset in ("8b", "8b_official"):
     # docs/method.md §6: the official StableDRL settings (GSM8K), fp32 master weights, bf16 compute.
     c.model.checkpoint = "/path/to/checkpoint"  # must be overridden
@@ -41,7 +41,8 @@ def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
     c.task.name, c.task.source, c.task.source_dir = "gsm8k", "local", ""  # the user's data
     c.task.prompt_style, c.task.chat, c.task.max_prompt_len = "plain", True, 512
     c.sft.steps = 0
-    c.rl.steps = 1000
+    c.rl.steps, c.rl.warmup_steps = 1000, 0
+    c.task.num_train = 2000  # unused with local data; as before, so earlier 8b runs resume
     c.rl.lr, c.optim.decay_steps, c.optim.grad_clip = 2e-6, 2000, 0.2
     c.rl.group_size, c.rl.updates_per_batch, c.rl.accumulation = 16, 2, 4
     c.rl.prompts_per_step = 16

@@ -75,3 +75,9 @@ def test_random_outputs_against_the_independent_checker():
         rng.choice("0123456789") for _ in range(rng.randint(6, 9)))
     completion = f"<answer>{answer}</answer>"
     assert task.is_correct(completion, {"digits": digits}) == _independent_is_right(answer, digits)
+
+
+def test_the_exact_reward_is_the_whole_answer():
+  reward = get_task("sorting").reward_fn({"correctness": 0.0, "exact": 1.0})
+  assert reward("<answer>01234567</answer>", {"digits": "53172604"}) == 1.0
+  assert reward("<answer>01234576</answer>", {"digits": "53172604"}) == 0.0

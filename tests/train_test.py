@@ -282,6 +282,7 @@ def test_validate_names_bad_values():
 
 def test_sft_puzzles_can_be_easier_than_rl_and_evaluation_puzzles(tmp_path):
   c = config_lib.base_config("sdar")
+  config_lib.apply_preset(c, "sudoku")
   c.task.num_train, c.task.num_test, c.sft.batch_size, c.rl.prompts_per_step = 64, 16, 32, 32
   c.task.sft_blanks, c.task.blanks, c.eval.num_examples = 6, 11, 16
   data = build.data(c, build.tokenizer(c), str(tmp_path))
@@ -301,6 +302,7 @@ def test_sft_puzzles_can_be_easier_than_rl_and_evaluation_puzzles(tmp_path):
 
 def test_weaker_demonstrator_targets_depend_only_on_seed_step_and_global_row():
   c = config_lib.base_config("sdar")
+  config_lib.apply_preset(c, "sudoku")
   task = get_task("sudoku")
   examples = [sudoku.generate(0, i, blanks=8) for i in range(8)]
   full = sft.targets(c, task, examples, 3, 0)

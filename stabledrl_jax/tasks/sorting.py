@@ -5,8 +5,8 @@ Example keys: `digits` (the string to sort). There are 10^length instances (10^8
 8) but only C(length + 9, 9) distinct answers (24,310 at 8), so train and test are split by
 *answer*: a sorted string is a test answer when its hash falls in the test bucket
 (`TEST_FRACTION` of them), and no training instance, for SFT or RL, ever has a test answer.
-Reward: the fraction of answer positions right when the answer has the right length (else 0);
-`is_correct`: the whole sorted string.
+Rewards: `correctness`, the fraction of answer positions right when the answer has the right
+length (else 0); `exact`, 1 for the whole sorted string (`is_correct`) and 0 otherwise.
 """
 
 from __future__ import annotations
@@ -86,4 +86,5 @@ TASK = base.Task(
     correctness=correctness,
     is_correct=is_correct,
     reference_completion=reference_completion,
+    extra_rewards={"exact": lambda completion, example: float(is_correct(completion, example))},
 )
