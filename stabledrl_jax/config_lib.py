@@ -18,7 +18,8 @@ from stabledrl_jax.estimators import SCHEMES
 from stabledrl_jax.presets import PRESETS, apply_preset, official_gsm8k  # noqa: F401 (the configs' API)
 
 OBJECTIVES = ("stabledrl", "stabledrl_spg", "grpo", "espo", "spg", "wd1", "spg_is")
-TASKS = ("sorting", "countdown", "sudoku", "gsm8k", "math500", "jsonl")  # or an import path pkg.mod:TASK
+# Built-in task names, or an import path pkg.mod:TASK.
+TASKS = ("sorting", "countdown", "sudoku", "gsm8k", "math500", "jsonl")
 
 
 def resolve_config_arg(arg: str) -> str:
@@ -68,7 +69,7 @@ def base_config(family: str) -> ml_collections.ConfigDict:
 
   c.task = ml_collections.ConfigDict()
   c.task.name = "sorting"        # a built-in task, "jsonl", or a Task's import path pkg.mod:NAME
-  c.task.source = "generated"   # "generated" (Countdown/Sudoku) or "local" (files in source_dir)
+  c.task.source = "generated"   # "generated" (sorting, Countdown, Sudoku) or "local" (source_dir)
   c.task.source_dir = ""        # task.source='local': the folder of the task's files
   c.task.data_dir = ""          # TFDS array_record cache; "" = WORKDIR/data
   c.task.blanks = 11            # Sudoku: blanks per puzzle (RL and evaluation)
@@ -87,7 +88,7 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.task.checker = "number"         # jsonl: number | math | import path of a reward function
 
   c.sft = ml_collections.ConfigDict()
-  # Stopped at partial skill (README: RL from a clean demonstrator); full attention learns slower.
+  # Stopped at partial skill (README: What RL does in the main job); full attention learns slower.
   c.sft.steps = 80 if family == "sdar" else 150
   c.sft.batch_size = 64
   c.sft.lr = 1e-3
@@ -102,7 +103,7 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.rl.updates_per_batch = 2    # μ optimiser steps on the same rollouts
   c.rl.accumulation = 1         # micro-batches per optimiser step (each a whole number of groups)
   c.rl.lr = 3e-5                # about the longest safe step bench/rl_step_probe.py measured (README)
-  c.rl.warmup_steps = 20         # optimiser updates (README: RL from a clean demonstrator)
+  c.rl.warmup_steps = 20        # optimiser updates (README: What RL does in the main job)
   c.rl.scheme = "block_t" if family == "sdar" else "block_random"
   c.rl.num_samples = 2          # M Monte Carlo masks per completion
   c.rl.coupling = "coupled"     # or "independent" (the official code)

@@ -25,7 +25,7 @@ def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
     c.eval.num_examples, c.eval.every = 32, 4
     c.checkpoint.every = 4
   elif preset == "sudoku":
-    # README "What RL does in the Sudoku job": SFT imitates a demonstrator that leaves each blank
+    # README "The Sudoku job": SFT imitates a demonstrator that leaves each blank
     # empty with probability task.sft_unfilled; RL on the true reward undoes it.
     c.task.name, c.task.num_train, c.task.max_prompt_len = "sudoku", 2000, 24
     c.sft.steps = 300 if c.family == "sdar" else 700  # full attention learns Sudoku more slowly
