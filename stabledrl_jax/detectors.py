@@ -61,8 +61,10 @@ TROUBLESHOOTING: dict[str, Row] = {
     "zero_advantage_groups": Row(
         "Many groups with all-equal rewards (zero-advantage fraction high): no learning signal.",
         "Tasks too easy or too hard for the current policy, or too few completions per group.",
-        "Raise `group_size` G; move task difficulty towards ~50% success; filter prompts the "
-        "policy always or never solves."),
+        "Raise `group_size` G; move task difficulty towards ~50% success; "
+        "`rl.filter_zero_advantage=True` (dynamic sampling: such groups are replaced by groups of "
+        "further prompts, at most `rl.max_prompt_draws` prompt batches a step; `groups_drawn` / "
+        "`groups_kept` in metrics.jsonl)."),
     "clip_fraction_out_of_band": Row(
         "Clip fraction outside its 10–15% band for many steps.",
         "ε mismatched to the ratio spread: too tight (above the band) wastes signal, too loose "

@@ -1,8 +1,8 @@
 r"""StableDRL on a full-attention masked diffusion (LLaDA) model.
 
-  python -m stabledrl_jax.main --config=configs/llada.py           # tiny: CPU, 4x4 Sudoku
-  python -m stabledrl_jax.main --config=configs/llada.py:smoke     # the same path in < 2 minutes
-  python -m stabledrl_jax.main --config=configs/llada.py:sorting   # clean SFT on sorting digits, RL
+  python -m stabledrl_jax.main --config=configs/llada.py           # tiny: CPU, sorting digits
+  python -m stabledrl_jax.main --config=configs/llada.py:smoke     # the same path, < 2 min (Sudoku)
+  python -m stabledrl_jax.main --config=configs/llada.py:sudoku    # 4x4 Sudoku, weaker demonstrator
   python -m stabledrl_jax.main --config=configs/llada.py:8b \
       --config.model.checkpoint=/path/to/LLaDA-8B-Instruct --workdir=gs://bucket/runs/llada8b \
       --config.task.source_dir=/path/to/gsm8k   # train.jsonl, test.jsonl; or --config.task.source=public

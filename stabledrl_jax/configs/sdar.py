@@ -1,8 +1,8 @@
 r"""StableDRL on a block-diffusion (SDAR) model.
 
-  python -m stabledrl_jax.main --config=configs/sdar.py            # tiny: CPU, 4x4 Sudoku
-  python -m stabledrl_jax.main --config=configs/sdar.py:smoke      # the same path in < 2 minutes
-  python -m stabledrl_jax.main --config=configs/sdar.py:sorting    # clean SFT on sorting digits, RL
+  python -m stabledrl_jax.main --config=configs/sdar.py            # tiny: CPU, sorting digits
+  python -m stabledrl_jax.main --config=configs/sdar.py:smoke      # the same path, < 2 min (Sudoku)
+  python -m stabledrl_jax.main --config=configs/sdar.py:sudoku     # 4x4 Sudoku, weaker demonstrator
   python -m stabledrl_jax.main --config=configs/sdar.py:8b \
       --config.model.checkpoint=/path/to/SDAR-8B-Chat --workdir=gs://bucket/runs/sdar8b \
       --config.task.source_dir=/path/to/gsm8k   # train.jsonl, test.jsonl; or --config.task.source=public
