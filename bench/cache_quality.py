@@ -8,7 +8,7 @@ forwards and tokens forwarded per puzzle with the exact sampler and each cache /
 
 Each WORKDIR is a finished `configs/llada.py` run: its recorded config, its held-out examples
 (`eval.num_examples` of them, as the run's own evaluations) and its checkpoints at the last SFT
-step (`sft.steps - 1`) and the last step. Evaluation is `train.evaluate` with `sampler.cache` and
+step (`sft.steps - 1`) and the last step. Evaluation is `evaluate.evaluate` with `sampler.cache` and
 `sampler.threshold` set for each row.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from stabledrl_jax import build, cli, config_lib, train, workdir_config  # noqa: E402
+from stabledrl_jax import build, cli, evaluate, workdir_config  # noqa: E402
 
 # (label, sampler.cache, sampler.threshold); threshold 0 = off.
 SETTINGS = (("exact", "none", 0.0), ("prefix", "prefix", 0.0), ("dual", "dual", 0.0),
@@ -30,19 +30,19 @@ SETTINGS = (("exact", "none", 0.0), ("prefix", "prefix", 0.0), ("dual", "dual", 
 
 def evaluate_settings(workdir: str, step: int, settings=SETTINGS,
                       batch_size: int = 0) -> list[dict]:
-  """One row per setting: label, accuracy, solve_rate, forwards, forward_tokens, seconds.
+  """One row per setting: label, mean_reward, accuracy, forwards, forward_tokens, seconds.
   `batch_size`: puzzles decoded together (0: the run's `eval.batch_size`)."""
   c = workdir_config.get_config(workdir)
   if batch_size:
     c.eval.batch_size = batch_size
   model, tokenizer, _ = cli.load_policy(c, workdir, step)
   data = build.data(c, tokenizer, workdir)
-  s = config_lib.settings(c)
+  c.eval.fast = True
   rows = []
   for label, cache, threshold in settings:
     c.sampler.cache, c.sampler.threshold = cache, threshold
     t0 = time.perf_counter()
-    result = train.evaluate(c, s._replace(eval_sampling=config_lib.sampling(c, 0.0)), data, model)
+    result, _ = evaluate.evaluate(c, model, data.tokenizer, data.task, data.test)
     rows.append({"label": label, "seconds": time.perf_counter() - t0, **result})
   return rows
 
@@ -55,7 +55,7 @@ def main() -> None:
                  "when no row of the batch has a mask left in it, so a threshold saves forwards "
                  "per puzzle only where the whole batch is confident: at batch 1, per puzzle.")
   args = p.parse_args()
-  print("| run | checkpoint | decoding | accuracy | solved | forwards | token-forwards | "
+  print("| run | checkpoint | decoding | mean reward | accuracy | forwards | token-forwards | "
         "seconds (incl. compile) |")
   print("|---|---|---|---:|---:|---:|---:|---:|")
   for workdir in args.workdirs:
@@ -63,7 +63,7 @@ def main() -> None:
     for tag, step in (("end of SFT", c.sft.steps - 1), ("after RL", c.sft.steps + c.rl.steps - 1)):
       for r in evaluate_settings(workdir, step, batch_size=args.batch_size):
         print(f"| {os.path.basename(os.path.normpath(workdir))} | {tag} (step {step}) | "
-              f"{r['label']} | {r['accuracy']:.3f} | {r['solve_rate']:.3f} | {r['forwards']:.1f} "
+              f"{r['label']} | {r['mean_reward']:.3f} | {r['accuracy']:.3f} | {r['forwards']:.1f} "
               f"| {r['forward_tokens']:.0f} | {r['seconds']:.1f} |", flush=True)
 
 

@@ -38,7 +38,7 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from stabledrl_jax import config_lib, flops, likelihood, models, optim, rl, samplers  # noqa: E402
+from stabledrl_jax import config_lib, flops, models, optim, rl, rollouts, samplers  # noqa: E402
 
 def best_seconds(fn, runs: int) -> float:
   jax.block_until_ready(fn())  # compile and warm up
@@ -66,18 +66,22 @@ def model_config(family: str, args, **changes) -> models.ModelConfig:
 
 def samplings(family: str, cfg, args) -> list[tuple[str, object]]:
   if family == "llada":
-    exact = samplers.LLaDASampling(gen_length=args.gen, block_length=args.block,
-                                   steps=args.llada_steps, temperature=1.0, stop_ids=(-1,))
+    exact = rollouts.LLaDASampling(gen_length=args.gen, block_length=args.block,
+                                   steps=args.llada_steps, temperature=1.0,
+                                   remasking="low_confidence", cfg_scale=0.0, cache="none",
+                                   threshold=0.0, stop_ids=(-1,))
     return [("exact", exact),
             (f"cache=dual threshold={args.threshold}",
              dataclasses.replace(exact, cache="dual", threshold=args.threshold))]
   return [(f"KV cache, {args.sdar_steps} steps/block",
-           samplers.SDARSampling(gen_length=args.gen, steps=args.sdar_steps, temperature=1.0,
-                                 block_size=cfg.block_size, stop_ids=(-1,)))]
+           rollouts.SDARSampling(gen_length=args.gen, block_length=cfg.block_size,
+                                 steps=args.sdar_steps, strategy="low_confidence_static",
+                                 threshold=0.0, temperature=1.0, top_k=0, top_p=1.0,
+                                 stop_ids=(-1,)))]
 
 
 def objective(family: str, cfg, args) -> rl.Objective:
-  obj = config_lib.settings(config_lib.base_config(family)).objective
+  obj = rl.Objective.from_config(config_lib.base_config(family))
   return dataclasses.replace(obj, group_size=args.group, num_samples=args.samples,
                              block_size=cfg.block_size if family == "sdar" else args.block)
 
@@ -111,7 +115,7 @@ def measure_family(family: str, args, peak: float, emit) -> None:
           f"MFU {work / seconds / peak:.1%}",
           f"{fwd:.0f} forwards, {fwd_tokens:,.0f} tokens/row; first call {first:.1f} s"))
 
-  seqs = likelihood.from_rollout(rollout)
+  seqs = rollouts.from_rollout(rollout)
   adv = jnp.asarray(rng.normal(size=b), jnp.float32)
   obj = objective(family, cfg, args)
   total = seqs.tokens_BxL.shape[1]

@@ -18,10 +18,10 @@ Per run, from metrics.jsonl and eval.jsonl: explosion rate (RL steps whose large
 gradient norm over the μ updates is non-finite or above EXPLOSION_FACTOR x the running median of
 the per-step gradient norm), mean / median / max gradient norm and the non-finite steps,
 smoothness (standard deviation of the step-to-step changes of the mean training reward and of the
-held-out accuracy curve), detector events by name, held-out accuracy at every evaluation, and the
+held-out mean reward curve), detector events by name, held-out mean reward at every evaluation, and the
 reward over the first and the last 10 RL steps. Writes ROOT/objectives.md (per regime and
 objective: mean and max - min over seeds) and ROOT/objectives.png (gradient norm and held-out
-accuracy against RL step, mean over seeds, one row of panels per regime).
+mean reward against RL step, mean over seeds, one row of panels per regime).
 """
 from __future__ import annotations
 
@@ -111,15 +111,15 @@ def diff_std(values: list[float]) -> float:
   return statistics.pstdev(b - a for a, b in zip(v, v[1:]))
 
 
-def accuracy_curve(evals: list[dict], first_rl_step: int) -> list[tuple[int, float]]:
-  """(RL steps done, held-out accuracy) for every evaluation of the RL stage, in order: "before RL"
+def reward_curve(evals: list[dict], first_rl_step: int) -> list[tuple[int, float]]:
+  """(RL steps done, held-out mean reward) for every evaluation of the RL stage, in order: "before RL"
   is 0, "after N RL steps" N, "after RL" the run's length."""
   points = []
   for e in evals:
     if e["tag"] == "before RL":
-      points.append((0, as_float(e["accuracy"])))
+      points.append((0, as_float(e["mean_reward"])))
     elif e["tag"].startswith("after") and e["tag"] != "after SFT" and e["step"] >= first_rl_step:
-      points.append((e["step"] - first_rl_step + 1, as_float(e["accuracy"])))
+      points.append((e["step"] - first_rl_step + 1, as_float(e["mean_reward"])))
   return sorted(points)
 
 
@@ -130,8 +130,8 @@ def summarise_rows(rows: list[dict], evals: list[dict]) -> dict[str, Any]:
   top = [as_float(r.get("grad_norm_max", r["grad_norm"])) for r in rl]
   reward = [as_float(r["reward_mean"]) for r in rl]
   first = rl[0]["step"] if rl else 0
-  acc = accuracy_curve(evals, first)
-  tags = {e["tag"]: as_float(e["accuracy"]) for e in evals}
+  acc = reward_curve(evals, first)
+  tags = {e["tag"]: as_float(e["mean_reward"]) for e in evals}
   events = collections.Counter(name for r in rl for name in r.get("events", []))
   return {
       "steps": len(rl),
@@ -142,17 +142,17 @@ def summarise_rows(rows: list[dict], evals: list[dict]) -> dict[str, Any]:
       "norm_max": max(finite(top), default=math.nan),
       "nonfinite": sum(not math.isfinite(n) for n in top),
       "reward_smoothness": diff_std(reward),
-      "accuracy_smoothness": diff_std([a for _, a in acc]),
+      "reward_smoothness": diff_std([a for _, a in acc]),
       "collapses": sum(n for name, n in events.items() if name.endswith("_collapse")),
       "kl_alarms": events.get("kl_alarm", 0),
       "events": dict(events),
       "before": tags.get("before RL", math.nan),
       "after": tags.get("after RL", math.nan),
-      "solved_after": next((as_float(e["solve_rate"]) for e in evals
-                            if e["tag"] == "after RL" and "solve_rate" in e), math.nan),
+      "solved_after": next((as_float(e["accuracy"]) for e in evals
+                            if e["tag"] == "after RL" and "accuracy" in e), math.nan),
       "reward_first": statistics.fmean(reward[:EDGE_STEPS]) if reward else math.nan,
       "reward_last": statistics.fmean(reward[-EDGE_STEPS:]) if reward else math.nan,
-      "accuracy_curve": acc,
+      "reward_curve": acc,
       "norm_curve": [(r["step"] - first + 1, n) for r, n in zip(rl, top)],
   }
 
@@ -252,9 +252,9 @@ COLUMNS = (  # (summary key, header, format)
     ("explosion_rate", "explosion rate", ".3f"), ("norm_mean", "mean ‖g‖", ".3g"),
     ("norm_median", "median ‖g‖", ".3g"), ("norm_max", "max ‖g‖", ".3g"),
     ("nonfinite", "non-finite steps", ".3g"), ("reward_smoothness", "σ Δreward", ".3f"),
-    ("accuracy_smoothness", "σ Δacc.", ".3f"), ("collapses", "collapse events", ".3g"),
-    ("kl_alarms", "KL alarms", ".3g"), ("before", "acc. before RL", ".3f"),
-    ("after", "acc. after RL", ".3f"), ("solved_after", "solved after RL", ".3f"),
+    ("reward_smoothness", "σ Δheld-out", ".3f"), ("collapses", "collapse events", ".3g"),
+    ("kl_alarms", "KL alarms", ".3g"), ("before", "mean reward before RL", ".3f"),
+    ("after", "mean reward after RL", ".3f"), ("solved_after", "accuracy after RL", ".3f"),
     ("reward_first", "reward first 10", ".3f"),
     ("reward_last", "reward last 10", ".3f"))
 
@@ -281,11 +281,11 @@ def table(results: dict[tuple[str, str], list[dict]], planned: int) -> str:
   return "\n".join(lines)
 
 
-def accuracy_table(results: dict[tuple[str, str], list[dict]]) -> str:
-  """Markdown: held-out accuracy (mean over seeds) at every evaluation, one column per row of
+def reward_table(results: dict[tuple[str, str], list[dict]]) -> str:
+  """Markdown: held-out mean reward (mean over seeds) at every evaluation, one column per row of
   `table`."""
   keys = [k for k, v in results.items() if v]
-  curves = {k: dict((x, y) for x, y, _ in mean_curve([s["accuracy_curve"] for s in results[k]]))
+  curves = {k: dict((x, y) for x, y, _ in mean_curve([s["reward_curve"] for s in results[k]]))
             for k in keys}
   steps = sorted({x for c in curves.values() for x in c})
   head = ["RL step", *(f"{r} {LABELS.get(v, v)}" for r, v in keys)]
@@ -315,12 +315,12 @@ def plot(results: dict[tuple[str, str], list[dict]], path: str) -> None:
       if bad:
         top = max(finite(y for _, y, _ in norms) + [1.0])
         norm_ax.plot(bad, [top * 10] * len(bad), "x", color=line.get_color(), ms=6)
-      acc = mean_curve([s["accuracy_curve"] for s in summaries])
+      acc = mean_curve([s["reward_curve"] for s in summaries])
       acc_ax.plot([x for x, _, _ in acc], [y for _, y, _ in acc], "o-", ms=3, lw=1,
                   color=line.get_color(), label=label)
     norm_ax.set(yscale="log", xlabel="RL step",
                 title=f"{regime}: gradient norm (max over μ updates, mean over seeds)")
-    acc_ax.set(xlabel="RL step", title=f"{regime}: held-out accuracy (mean over seeds)")
+    acc_ax.set(xlabel="RL step", title=f"{regime}: held-out mean reward (mean over seeds)")
     if norm_ax.get_legend_handles_labels()[0]:
       norm_ax.legend(fontsize=8)
   fig.tight_layout()
@@ -378,7 +378,7 @@ def collect(runs: list[Run], root: str, sfts: dict[int, str]
 
 def report(results, problems: list[str], settings: dict[str, dict], extras: list[str],
            args: argparse.Namespace, planned: int) -> str:
-  """ROOT/objectives.md: the date and command, the regimes, `table` and `accuracy_table`."""
+  """ROOT/objectives.md: the date and command, the regimes, `table` and `reward_table`."""
   name = os.path.splitext(os.path.basename(args.config.partition(":")[0]))[0]
   lines = [f"# Objectives over long RL runs ({name})", "",
            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: `{shlex.join(sys.orig_argv)}`",
@@ -393,9 +393,9 @@ def report(results, problems: list[str], settings: dict[str, dict], extras: list
             f"an RL step's μ updates is non-finite or > {EXPLOSION_FACTOR:g}x the running median "
             "of the per-step ‖g‖ (mean over the μ updates; zero norms left out); ‖g‖ figures over "
             "the finite norms; σ Δ: standard deviation of the step-to-step changes of the mean "
-            "training reward and of the held-out accuracy curve.", "", table(results, planned),
-            "", "Held-out accuracy at each evaluation (mean over seeds):", "",
-            accuracy_table(results)]
+            "training reward and of the held-out mean reward curve.", "", table(results, planned),
+            "", "Held-out mean reward at each evaluation (mean over seeds):", "",
+            reward_table(results)]
   lines += ["", *(f"**{p}**" for p in problems)] if problems else []
   return "\n".join(lines) + "\n"
 

@@ -24,7 +24,7 @@ import textwrap
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # tiny: the main job's model (4 x 128, 32 character tokens); 300m: the size of the streaming-load
-# test (tests/checkpoint_scaling_test.py).
+# test (tests/huggingface_scaling_test.py).
 SIZES = {"tiny": dict(d_model=128, n_layers=4, n_heads=4, n_kv_heads=4, head_dim=32, mlp_dim=384),
          "300m": dict(vocab_size=16384, d_model=1024, n_layers=16, n_heads=16,
                                   n_kv_heads=16, head_dim=64, mlp_dim=4096)}

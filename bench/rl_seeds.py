@@ -75,13 +75,13 @@ def main() -> None:
   for s in seeds:
     e = read_evals(workdirs[s])
     before, after = e["before RL"], e["after RL"]
-    for (b, a), key in zip(table.values(), ("accuracy", "solve_rate")):
+    for (b, a), key in zip(table.values(), ("accuracy", "accuracy")):
       b.append(before[key])
       a.append(after[key])
     wall = f"{walls[s] / 60:.1f} min" if s in walls else "earlier"
-    print(f"{s:>4} | {before['accuracy']:9.3f} | {after['accuracy']:8.3f} | "
-          f"{after['accuracy'] - before['accuracy']:+6.3f} | {before['solve_rate']:.3f} -> "
-          f"{after['solve_rate']:.3f}        | {after['solve_rate'] - before['solve_rate']:+6.3f} | "
+    print(f"{s:>4} | {before['mean_reward']:9.3f} | {after['mean_reward']:8.3f} | "
+          f"{after['mean_reward'] - before['mean_reward']:+6.3f} | {before['accuracy']:.3f} -> "
+          f"{after['accuracy']:.3f}        | {after['accuracy'] - before['accuracy']:+6.3f} | "
           f"{wall}")
   for label, (befores, afters) in table.items():
     gains = [a - b for b, a in zip(befores, afters)]

@@ -25,7 +25,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from stabledrl_jax import build, checkpointing, config_lib, likelihood, losses, optim, rl  # noqa: E402
+from stabledrl_jax import (build, checkpointing, config_lib, losses, optim, rl, rollouts,  # noqa: E402
+                           samplers)
 from stabledrl_jax.tasks import pipeline  # noqa: E402
 
 
@@ -60,19 +61,19 @@ def main() -> None:
   ids = np.repeat(enc["prompt_ids_BxP"], g, 0)
   mask = np.repeat(enc["prompt_mask_BxP"], g, 0)
   examples = [e for e in exs for _ in range(g)]
-  sampling = config_lib.sampling(c, c.sampler.temperature)
-  obj = config_lib.settings(c).objective
+  sampling = rollouts.sampling_from_config(c, c.sampler.temperature)
+  obj = rl.Objective.from_config(c)
 
   def mean_reward(m) -> float:
-    return float(np.mean([rl.score(data.tokenizer, rl.generate(m, ids, mask, jax.random.key(k), sampling),
+    return float(np.mean([rl.score(data.tokenizer, samplers.generate(m, ids, mask, jax.random.key(k), sampling),
                                       examples, data.reward_fn).mean() for k in (1, 2)]))
 
   grads = None
   for i in range(args.batches):
-    rollout = rl.generate(model, ids, mask, jax.random.key(100 + i), sampling)
+    rollout = samplers.generate(model, ids, mask, jax.random.key(100 + i), sampling)
     adv = losses.group_advantages(jnp.asarray(rl.score(data.tokenizer, rollout, examples, data.reward_fn)),
                                   group_size=g, mode=c.rl.advantage)
-    seqs = likelihood.from_rollout(rollout)
+    seqs = rollouts.from_rollout(rollout)
     batch, _ = rl.behaviour_pass(model, None, seqs, adv, jax.random.key(7 + i), obj)
     gi = nnx.grad(lambda m: rl.policy_loss(m, batch, jax.random.key(0), obj)[0])(model)
     grads = gi if grads is None else jax.tree.map(jnp.add, grads, gi)

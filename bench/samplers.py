@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from stabledrl_jax import models  # noqa: E402
-from stabledrl_jax import samplers  # noqa: E402
+from stabledrl_jax import rollouts, samplers  # noqa: E402
 
 SAMPLERS = ("llada", "sdar_cache", "sdar_nocache", "llada_prefix", "llada_dual", "llada_threshold",
             "llada_dual_threshold")
@@ -83,15 +83,18 @@ def _config(preset: str, sampler: str, compute_dtype: str) -> models.ModelConfig
 
 
 def _sampling(sampler: str, gen_length: int, llada_steps: int, llada_block: int,
-              sdar_steps: int, llada_threshold: float = 0.9):
+              sdar_steps: int, llada_threshold: float = 0.9, block_size: int = 4):
   if sampler.startswith("llada"):
     cache, threshold = LLADA_FAST.get(sampler, ("none", False))
-    return samplers.LLaDASampling(gen_length=gen_length, block_length=llada_block,
-                                  steps=llada_steps, temperature=0.0, stop_ids=NEVER_STOP,
-                                  cache=cache, threshold=llada_threshold if threshold else None)
-  return samplers.SDARSampling(gen_length=gen_length, steps=sdar_steps,
-                               strategy="low_confidence_static", temperature=0.0,
-                               use_cache=sampler == "sdar_cache", stop_ids=NEVER_STOP)
+    return rollouts.LLaDASampling(gen_length=gen_length, block_length=llada_block,
+                                  steps=llada_steps, temperature=0.0, remasking="low_confidence",
+                                  cfg_scale=0.0, cache=cache,
+                                  threshold=llada_threshold if threshold else 0.0,
+                                  stop_ids=NEVER_STOP)
+  return rollouts.SDARSampling(gen_length=gen_length, block_length=block_size, steps=sdar_steps,
+                               strategy="low_confidence_static", threshold=0.0, temperature=0.0,
+                               top_k=0, top_p=1.0, use_cache=sampler == "sdar_cache",
+                               stop_ids=NEVER_STOP)
 
 
 def _compile(sampler: str, model, prompt_BxP, valid_BxP, key, sampling):
@@ -108,7 +111,7 @@ def _compile(sampler: str, model, prompt_BxP, valid_BxP, key, sampling):
   return (lambda: jax.block_until_ready(compiled(state, prompt_BxP, valid_BxP, key))), compile_s
 
 
-def _check_full(rollout: samplers.Rollout, gen_length: int, mask_id: int, what: str) -> int:
+def _check_full(rollout: rollouts.Rollout, gen_length: int, mask_id: int, what: str) -> int:
   """Every row generated all its tokens; returns the number of decoding steps taken."""
   lengths = np.asarray(rollout.lengths_B)
   completion = np.asarray(rollout.completion_BxC)
@@ -137,7 +140,8 @@ def measure(preset: str, *, batch: int, gen_length: int = 256, prompt_length: in
     prompt_BxP = jax.random.randint(jax.random.PRNGKey(1), (batch, prompt_length), 2,
                                     cfg.mask_token_id, dtype=jnp.int32)
     valid_BxP = jnp.ones((batch, prompt_length), bool)
-    sampling = _sampling(name, gen_length, llada_steps, llada_block, sdar_steps, llada_threshold)
+    sampling = _sampling(name, gen_length, llada_steps, llada_block, sdar_steps, llada_threshold,
+                         cfg.block_size or 4)
     log(f"{preset}/{name}: compiling")
     fns[name], compile_s[name] = _compile(name, model, prompt_BxP, valid_BxP, key, sampling)
     log(f"{preset}/{name}: compiled in {compile_s[name]:.1f} s")
@@ -149,8 +153,8 @@ def measure(preset: str, *, batch: int, gen_length: int = 256, prompt_length: in
     elif name == "llada":
       forwards[name] = f"{steps} x {prompt_length + gen_length} tok"
     else:
-      bs = sampling.block_size or cfg.block_size
-      layout = samplers.sdar_layout(prompt_BxP, valid_BxP, gen_length, bs, cfg.mask_token_id)
+      bs = sampling.block_length
+      layout = rollouts.sdar_layout(prompt_BxP, valid_BxP, gen_length, bs, cfg.mask_token_id)
       t, first_block, num_blocks = layout[0].shape[1], layout[5], layout[6]
       if name == "sdar_cache":
         # No row stops, so every block from the first generated one gets a commit forward.

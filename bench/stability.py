@@ -93,8 +93,8 @@ def summarise(workdir: str) -> dict:
       "max": max(norms, key=lambda n: (not math.isfinite(n), n)) if norms else math.nan,
       "skipped": rows[-1]["skipped_updates"] if rows else 0,
       "ratio": max((as_float(r.get("log10_ratio_max", 0.0)) for r in rows), default=math.nan),
-      "before": evals.get("before RL", {}).get("accuracy", math.nan),
-      "after": evals.get("after RL", {}).get("accuracy", math.nan),
+      "before": evals.get("before RL", {}).get("mean_reward", math.nan),
+      "after": evals.get("after RL", {}).get("mean_reward", math.nan),
       "events": sum(len(r.get("events", [])) for r in rows),
       "curve": [(r["step"], as_float(r.get("grad_norm_max", r["grad_norm"])), r["reward_mean"])
                 for r in rows],

@@ -15,7 +15,6 @@ path not on this host, as in the `8b` presets) from the family's 8B preset (`mod
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from typing import Any
@@ -24,12 +23,10 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 from flax import nnx
-from ml_collections import config_flags
 
-from stabledrl_jax import build, config_lib, likelihood, models, optim, rl, samplers, sharding
+from stabledrl_jax import build, cli, models, optim, rl, rollouts, samplers, sharding
 
-_CONFIG = config_flags.DEFINE_config_file("config", config_lib.resolve_config_arg("configs/sdar.py:8b"),
-                                          "Training config file.", lock_config=True)
+cli.define_flags("configs/sdar.py:8b", "Training config file.")
 _TOPOLOGY = flags.DEFINE_string("topology", "v5p:2x2x1", "TPU topology (e.g. v5p:4x4x4, "
                                 "v6e:4x4) or cpu:N for N local CPU devices.")
 _HBM_GIB = flags.DEFINE_float("hbm_gib", None, "Per-chip memory in GiB (default: by chip kind).")
@@ -61,7 +58,7 @@ def topology_devices(name: str) -> list:
 
 def model_config(c) -> models.ModelConfig:
   if c.model.checkpoint and os.path.isdir(c.model.checkpoint):
-    cfg = models.config_from_hf(models.checkpoint.read_hf_config(c.model.checkpoint),
+    cfg = models.config_from_hf(models.huggingface.read_hf_config(c.model.checkpoint),
                                 compute_dtype=c.model.compute_dtype)
     return models.replace(cfg, **models.runtime_options(c.model))
   if c.model.checkpoint:  # the 8b presets, with a checkpoint path that is not on this host
@@ -116,9 +113,9 @@ def rl_batch_shapes(c, cfg: models.ModelConfig, mesh) -> rl.RLBatch:
   b = c.rl.prompts_per_step * c.rl.group_size
   p, g, m = c.task.max_prompt_len, c.sampler.gen_length, c.rl.num_samples
   seqs = jax.eval_shape(
-      lambda pr, pv, co: likelihood.teacher_forced(pr, pv, co, family=cfg.family,
-                                                   block_size=cfg.block_size,
-                                                   mask_id=cfg.mask_token_id),
+      lambda pr, pv, co: rollouts.teacher_forced(pr, pv, co, family=cfg.family,
+                                                 block_size=c.sampler.block_length,
+                                                 mask_id=cfg.mask_token_id),
       jax.ShapeDtypeStruct((b, p), jnp.int32), jax.ShapeDtypeStruct((b, p), bool),
       jax.ShapeDtypeStruct((b, g), jnp.int32))
   seqs = jax.tree.map(lambda x: _batched(x.shape, x.dtype, mesh), seqs)
@@ -156,8 +153,7 @@ def check(c, devices: list, hbm_gib: float | None = None,
   hbm = hbm_gib if hbm_gib is not None else next(
       (v for k, v in sorted(HBM_GIB.items(), key=lambda kv: -len(kv[0])) if kind.startswith(k)), None)
   model = abstract_model(cfg, mesh)
-  obj = dataclasses.replace(config_lib.settings(c).objective, block_size=(
-      cfg.block_size if c.family == "sdar" else c.sampler.block_length))
+  obj = rl.Objective.from_config(c)
   tx = optim.make_optimizer(c.rl.lr, c.rl.warmup_steps, c.rl.steps * c.rl.updates_per_batch, c.optim)
   opt = abstract_optimizer(model, tx, mesh, offload=c.optim.offload_state)
   batch = rl_batch_shapes(c, cfg, mesh)
@@ -170,9 +166,7 @@ def check(c, devices: list, hbm_gib: float | None = None,
         model, opt, batch, key, obj=obj, accumulation=c.rl.accumulation))
 
   b = c.rl.prompts_per_step * c.rl.group_size
-  sampling = config_lib.sampling(c, c.sampler.temperature)
-  if isinstance(sampling, samplers.SDARSampling):
-    sampling = dataclasses.replace(sampling, block_size=cfg.block_size)
+  sampling = rollouts.sampling_from_config(c, c.sampler.temperature)
   gen = samplers.llada_generate if c.family == "llada" else samplers.sdar_generate
   decode_mesh = build.rollout_mesh(c, mesh) or mesh  # config.rollout_mesh, if set
   if decode_mesh is not mesh:
@@ -233,7 +227,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:
     devices = topology_devices(_TOPOLOGY.value)
-    result = check(_CONFIG.value, devices, _HBM_GIB.value, tuple(_PROGRAMS.value))
+    result = check(flags.FLAGS.config, devices, _HBM_GIB.value, tuple(_PROGRAMS.value))
   except ValueError as e:
     sys.exit(f"error: {e}")
   print(report(result), flush=True)
@@ -242,4 +236,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=lambda argv: flags.FLAGS(config_lib.resolve_config_flags(argv)))
+  app.run(main, flags_parser=cli.parse_flags)

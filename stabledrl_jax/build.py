@@ -1,20 +1,61 @@
-"""What a run is built from: tokenizer, device meshes, model and this process's data iterators,
-each from the config (`train.run` calls them once, before anything is trained or written).
+"""What a run is built from, each from the config: the typed settings of every module
+(`settings`), the task, tokenizer, device meshes, model and this process's data iterators
+(`train.run` calls them once, before anything is trained or written; the commands too).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import ml_collections
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from stabledrl_jax import distributed, models, sharding, tasks
+from stabledrl_jax import (config_lib, controls, detectors, distributed, models, rl, rollouts,
+                           sft, sharding, tasks)
+from stabledrl_jax.rollouts import LLaDASampling, SDARSampling
 from stabledrl_jax.tasks import datasets, pipeline
 from stabledrl_jax.tasks.tokenizer import CharTokenizer, HFTokenizer
+
+
+class Settings(NamedTuple):
+  """The config as the typed settings the run's modules take (`settings`)."""
+  sft: sft.Settings
+  rl: rl.Settings
+  eval_sampling: LLaDASampling | SDARSampling  # greedy; exact unless eval.fast
+  monitor: detectors.MonitorConfig
+  controls: controls.ControlConfig
+
+
+def settings(c: ml_collections.ConfigDict) -> Settings:
+  """`config_lib.validate`, then every section's settings class (each checks its own keys); the
+  first bad key raises `ValueError` naming it."""
+  config_lib.validate(c)
+  task(c)
+  rl_settings = rl.Settings.from_config(c)
+  return Settings(sft.Settings.from_config(c), rl_settings, eval_sampling(c),
+                  detectors.MonitorConfig.from_config(c.stability),
+                  controls.ControlConfig.from_config(c, rl_settings.objective))
+
+
+def eval_sampling(c: ml_collections.ConfigDict, temperature: float = 0.0):
+  """The held-out evaluation's sampler: the config's at `temperature`, exact unless `eval.fast`."""
+  sampling = rollouts.sampling_from_config(c, temperature)
+  return sampling if c.eval.fast else sampling.exact()
+
+
+def task(c: ml_collections.ConfigDict) -> tasks.Task:
+  """The config's task (`tasks.from_config`), with errors naming `config.task.name`."""
+  try:
+    t = tasks.from_config(c.task)
+  except KeyError as e:
+    raise ValueError(f"config.task.name={c.task.name!r}: {str(e).strip(chr(34) + chr(39))}") from e
+  if c.sft.steps and t.reference_completion is None and t.demonstrate is None:
+    raise ValueError(f"config.sft.steps={c.sft.steps}: task {c.task.name!r} has no "
+                     "reference_completion to train on; set 0")
+  return t
 
 
 def tokenizer(c: ml_collections.ConfigDict):
@@ -59,7 +100,7 @@ def model(c: ml_collections.ConfigDict, tokenizer, mesh=None) -> nnx.Module:
       n_kv_heads=c.model.n_kv_heads, head_dim=c.model.d_model // c.model.n_heads,
       mlp_dim=c.model.mlp_dim, qk_norm=sdar, mask_token_id=tokenizer.mask_id,
       eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
-      stop_token_ids=(tokenizer.eos_id,), block_size=c.model.block_size if sdar else None,
+      stop_token_ids=(tokenizer.eos_id,), block_size=c.sampler.block_length if sdar else None,
       compute_dtype=c.model.compute_dtype, **models.runtime_options(c.model))
   if mesh is not None and mesh.size > 1:
     return sharding.create_model(cfg, c.seed, mesh)
@@ -89,35 +130,45 @@ def process_rows(c: ml_collections.ConfigDict, mesh) -> tuple[tuple[int, int], t
   return sharding.process_rows(mesh, c.sft.batch_size), (lo // group, hi // group)
 
 
-def data(c: ml_collections.ConfigDict, tokenizer, workdir: str, mesh=None) -> Data:
-  """Tasks and this process's data iterators (`mesh`: the run's, which decides the rows)."""
-  sft_rows, rl_rows = process_rows(c, mesh)
-  task = tasks.from_config(c.task)
-  reward_fn = task.reward_fn(dict(c.task.reward_weights))
-  kwargs: dict[str, Any] = dict(data_dir=c.task.data_dir or os.path.join(workdir, "data"),
-                                source=c.task.source)
+def source_kwargs(c: ml_collections.ConfigDict, data_dir: str, *, sft: bool = False) -> dict:
+  """`datasets.load_source`'s arguments for the config's task (`sft`: of the SFT examples)."""
+  kwargs: dict[str, Any] = dict(data_dir=data_dir, source=c.task.source)
   if c.task.source == "local":
     kwargs["source_dir"] = c.task.source_dir
   elif c.task.source == "generated":
     kwargs.update(num_train=c.task.num_train, num_test=c.task.num_test, seed=c.seed)
-  sft_kwargs = dict(kwargs)
-  if c.task.source == "generated" and c.task.name == "sudoku":
-    kwargs["blanks"] = c.task.blanks
-    sft_kwargs["blanks"] = c.task.sft_blanks or c.task.blanks
+    if c.task.name == "sudoku":
+      kwargs["blanks"] = (c.task.sft_blanks or c.task.blanks) if sft else c.task.blanks
+  return kwargs
+
+
+def held_out(c: ml_collections.ConfigDict, t: tasks.Task, data_dir: str) -> list:
+  """The config's held-out examples (the task's test split), all of them."""
+  source = datasets.load_source(t, "test", **source_kwargs(c, c.task.data_dir or data_dir))
+  return [source[i] for i in range(len(source))]
+
+
+def data(c: ml_collections.ConfigDict, tokenizer, workdir: str, mesh=None) -> Data:
+  """Tasks and this process's data iterators (`mesh`: the run's, which decides the rows)."""
+  sft_rows, rl_rows = process_rows(c, mesh)
+  t = task(c)
+  reward_fn = t.reward_fn(dict(c.task.reward_weights))
+  kwargs = source_kwargs(c, c.task.data_dir or os.path.join(workdir, "data"))
+  sft_kwargs = source_kwargs(c, kwargs["data_dir"], sft=True)
   # Process 0 prepares the on-disk data (a shared workdir must not be written by all at once).
   several = jax.process_count() > 1
   if several and not distributed.is_main():
     multihost_utils.sync_global_devices("stabledrl_jax: data prepared")
-  train = datasets.load_source(task, "train", **kwargs)
-  test = datasets.load_source(task, "test", **kwargs)
-  sft_train = train if sft_kwargs == kwargs else datasets.load_source(task, "train", **sft_kwargs)
+  train = datasets.load_source(t, "train", **kwargs)
+  test = datasets.load_source(t, "test", **kwargs)
+  sft_train = train if sft_kwargs == kwargs else datasets.load_source(t, "train", **sft_kwargs)
   if several and distributed.is_main():
     multihost_utils.sync_global_devices("stabledrl_jax: data prepared")
   common = dict(max_prompt_len=c.task.max_prompt_len, style=c.task.prompt_style, chat=c.task.chat,
                 num_threads=1)
-  sft = iter(pipeline.prompt_batches(task, sft_train, tokenizer, batch_size=c.sft.batch_size,
-                                     seed=c.seed, rows=sft_rows, **common))
-  rl_it = iter(pipeline.prompt_batches(task, train, tokenizer, batch_size=c.rl.prompts_per_step,
+  sft_it = iter(pipeline.prompt_batches(t, sft_train, tokenizer, batch_size=c.sft.batch_size,
+                                        seed=c.seed, rows=sft_rows, **common))
+  rl_it = iter(pipeline.prompt_batches(t, train, tokenizer, batch_size=c.rl.prompts_per_step,
                                        seed=c.seed + 1, rows=rl_rows, **common))
-  return Data(task, tokenizer, sft, rl_it, [test[i] for i in range(min(len(test), c.eval.num_examples))],
+  return Data(t, tokenizer, sft_it, rl_it, [test[i] for i in range(min(len(test), c.eval.num_examples))],
               reward_fn, sft_rows, rl_rows)

@@ -1,6 +1,7 @@
-"""What `evaluate`, `generate` and `export` share: flag parsing with one-line errors, the choice of
-policy (a Hugging Face checkpoint through `--config`, or a training run's saved step through its
-workdir) and loading it onto the devices.
+"""What the commands share (`main`, `evaluate`, `generate`, `export`): the config and multi-process
+flags, flag parsing with one-line errors, setup, and for the policy commands the choice of policy
+(a Hugging Face checkpoint through `--config`, or a training run's saved step through its workdir)
+and loading it onto the devices.
 
     --config=configs/llada.py:8b --config.model.checkpoint=/path/to/LLaDA-8B-Instruct
     --from_workdir=runs/llada_8b [--step=N]      # the run's recorded config and its latest step
@@ -8,10 +9,12 @@ workdir) and loading it onto the devices.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Callable
 
 from absl import app, flags, logging
+from ml_collections import config_flags
 
 from stabledrl_jax import build, checkpointing, config_lib, distributed
 
@@ -22,18 +25,26 @@ class PolicyError(ValueError):
   """A policy that cannot be loaded: names the directory, step or key."""
 
 
-def define_policy_flags(workdir_flag: str = "from_workdir") -> None:
-  """--config (optional with a workdir), --<workdir_flag>, --step and the multi-process flags."""
-  from ml_collections import config_flags
-  config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/llada.py:8b with "
-                                  "--config.model.checkpoint=DIR (default: the workdir's record).",
-                                  lock_config=True)
-  flags.DEFINE_string(workdir_flag, None, "A training run's workdir: its config.json and a step.")
-  flags.DEFINE_integer("step", None, "The workdir's step to load (default: the latest).")
-  flags.DEFINE_bool("distributed", False, "Join a multi-process run (as `main --distributed`).")
+def define_flags(config_default: str | None = None, config_help: str = "") -> None:
+  """--config and the multi-process flags, for every command."""
+  config_flags.DEFINE_config_file(
+      "config", config_lib.resolve_config_arg(config_default) if config_default else None,
+      config_help or "Config file, e.g. configs/llada.py:8b with --config.model.checkpoint=DIR "
+      "(default: the workdir's record).", lock_config=True)
+  flags.DEFINE_bool("distributed", False, "Join a multi-process run (jax.distributed.initialize; "
+                    "detected on Cloud TPU and SLURM).")
   flags.DEFINE_string("coordinator_address", None, "Multi-process: HOST:PORT of process 0.")
   flags.DEFINE_integer("num_processes", None, "Multi-process: number of processes.")
   flags.DEFINE_integer("process_id", None, "Multi-process: this process's index.")
+  flags.DEFINE_integer("heartbeat_timeout", 100, "Multi-process: seconds without a heartbeat "
+                       "after which a process counts as dead and the run stops.")
+
+
+def define_policy_flags(workdir_flag: str = "from_workdir") -> None:
+  """`define_flags`, --<workdir_flag> (a training run whose config and step to load) and --step."""
+  define_flags()
+  flags.DEFINE_string(workdir_flag, None, "A training run's workdir: its config.json and a step.")
+  flags.DEFINE_integer("step", None, "The workdir's step to load (default: the latest).")
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -43,11 +54,24 @@ def parse_flags(argv: list[str]) -> list[str]:
   except flags.Error as e:
     sys.exit(f"error: {e}")
   except (AttributeError, KeyError) as e:  # ml_collections: an override of a key that is not there
-    missing = str(e).strip("'\"")
-    named = [a.split("=")[0] for a in argv[1:]
-             if a.startswith("--config.") and missing in a.split("=")[0].split(".")]
-    sys.exit(f"error: unknown config key {named[0][2:] if named else missing}: the config has no "
-             f"key {missing!r} there")
+    sys.exit(f"error: {unknown_key_message(argv, e)}")
+
+
+def unknown_key_message(argv: list[str], error: Exception) -> str:
+  """`unknown config key rl.lrr (did you mean rl.lr?)` for an override of a key the config lacks
+  (ml_collections' message names the missing key first, then its suggestion, escaped)."""
+  text = str(error.args[0] if error.args else error)
+  words = re.findall(r"[A-Za-z_]\w*", text)
+  missing = words[0] if words else text
+  suggestion = re.search(r'Did you mean \W*"(\w+)\W*"', text)
+  for arg in argv[1:]:
+    name = arg.split("=")[0][len("--config."):] if arg.startswith("--config.") else ""
+    parts = name.split(".")
+    if missing in parts:
+      prefix = "".join(f"{p}." for p in parts[:parts.index(missing)])
+      hint = f" (did you mean {prefix}{suggestion.group(1)}?)" if suggestion else ""
+      return f"unknown config key {name}{hint}"
+  return f"unknown config key {missing}"
 
 
 def start(main: Callable[[list[str]], None], workdir_flag: str = "from_workdir") -> None:
@@ -62,19 +86,21 @@ def start(main: Callable[[list[str]], None], workdir_flag: str = "from_workdir")
 
 def setup(argv: list[str], workdir_flag: str = "from_workdir"):
   """Checks the arguments, quiets library logging, joins a multi-process run; returns
-  (config, workdir or None)."""
+  (config, the value of --<workdir_flag>)."""
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   f = flags.FLAGS
-  if not f["verbosity"].present:
+  if not f["verbosity"].present:  # library INFO chatter (Orbax, TFDS) off the console
     logging.set_verbosity(logging.WARNING)
   if f.config is None:
     sys.exit(f"error: give --config=FILE[:preset] (with --config.model.checkpoint=DIR) or "
              f"--{workdir_flag}=DIR")
   multi = (f.coordinator_address, f.num_processes, f.process_id)
+  if any(v is not None for v in multi) and not f.distributed:
+    sys.exit("error: --coordinator_address/--num_processes/--process_id need --distributed")
   if f.distributed:
     try:
-      distributed.initialize(*multi)
+      distributed.initialize(*multi, heartbeat_timeout_s=f.heartbeat_timeout)
     except ValueError as e:
       sys.exit(f"error: {e}")
   return f.config, f[workdir_flag].value
@@ -84,14 +110,14 @@ def load_policy(c, workdir: str | None = None, step: int | None = None):
   """(model, tokenizer, step): the config's checkpoint (or random init), then with a workdir
   the parameters of its step `step` (default the latest). Raises `PolicyError`."""
   try:
-    config_lib.validate(c)
+    build.settings(c)  # every key checked, as training checks it
     mesh = build.mesh(c)
     tokenizer = build.tokenizer(c)
     model = build.model(c, tokenizer, mesh)
   except AttributeError as e:  # a config (e.g. a hand-edited config.json) without a key
-    raise PolicyError(f"the config has no key {str(e).strip(chr(39) + chr(34))!r}") from e
+    raise PolicyError(f"the config has no key {error_text(e)!r}") from e
   except (KeyError, OSError, ValueError) as e:
-    raise PolicyError(str(e).strip("'\"")) from e
+    raise PolicyError(error_text(e)) from e
   if workdir is None:
     return model, tokenizer, None
   directory = os.path.join(workdir, "checkpoints")
@@ -107,6 +133,13 @@ def load_policy(c, workdir: str | None = None, step: int | None = None):
   finally:
     ckpt.close()
   return model, tokenizer, step
+
+
+def error_text(e: BaseException) -> str:
+  """An exception's message as one line: a KeyError's quotes off (its `str` is the repr of its
+  argument), every other message as it is."""
+  text = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+  return str(text).splitlines()[0] if str(text) else repr(e)
 
 
 def fail(message: str) -> None:

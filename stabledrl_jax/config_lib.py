@@ -1,36 +1,41 @@
-"""The training config: one `ml_collections.ConfigDict` schema, its presets and its validation.
+"""The training config: one `ml_collections.ConfigDict` schema with every key's one default
+(`base_config`), its presets (`presets`) and the checks of the keys no settings class owns
+(`validate`).
 
 `configs/llada.py` and `configs/sdar.py` build on `base_config(family)`. The dict is locked, so an
-override of a key that does not exist fails in `config_flags` and names the key; `validate` then
-checks values before anything is compiled or written, and `settings` turns the config into the
-typed settings the modules take (`rl.Objective`, the samplers' settings, `detectors.MonitorConfig`,
-`controls.ControlConfig`). Every value has its one default here and its one check in `validate`.
+override of a key that does not exist fails in `config_flags` and names the key. Each module that
+consumes a section owns a typed, frozen settings class built from it (`from_config`) that checks
+its values with one-line errors naming the key: `rl.Settings` / `rl.Objective` (`rl`),
+`rollouts.LLaDASampling` / `SDARSampling` (`sampler`), `sft.Settings` (`sft`),
+`detectors.MonitorConfig` (`stability`), `controls.ControlConfig` (`controls`); `build.settings`
+builds them all before anything is compiled or written. This module imports none of them.
 """
 from __future__ import annotations
 
 import math
 import os
-from typing import Any, NamedTuple
 
 import ml_collections
 
-from stabledrl_jax.estimators import SCHEMES
 from stabledrl_jax.presets import PRESETS, apply_preset, official_gsm8k  # noqa: F401 (the configs' API)
 
-OBJECTIVES = ("stabledrl", "stabledrl_spg", "grpo", "espo", "spg", "wd1", "spg_is")
-# Built-in task names, or an import path pkg.mod:TASK.
-TASKS = ("sorting", "countdown", "sudoku", "gsm8k", "math500", "jsonl")
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+# The configs: `configs/` beside the package in a checkout; inside it once installed (the wheel
+# carries the same files as `stabledrl_jax/configs/`, pyproject.toml).
+CONFIG_DIRS = (os.path.join(os.path.dirname(_PACKAGE), "configs"), os.path.join(_PACKAGE, "configs"))
 
 
 def resolve_config_arg(arg: str) -> str:
   """`configs/NAME.py[:PRESET]` from any directory: a `configs/` path that does not exist here
-  names the package's own config (`stabledrl_jax/configs/NAME.py`)."""
+  names the project's own config (`CONFIG_DIRS`)."""
   path, sep, preset = arg.partition(":")
-  packaged = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
-                          os.path.basename(path))
-  if (not os.path.exists(path) and os.path.basename(os.path.dirname(path)) == "configs"
-      and os.path.isfile(packaged)):
-    return packaged + sep + preset
+  if os.path.exists(path) or os.path.basename(os.path.dirname(path)) != "configs":
+    return arg
+  for directory in CONFIG_DIRS:
+    own = os.path.join(directory, os.path.basename(path))
+    if os.path.isfile(own):
+      return own + sep + preset
   return arg
 
 
@@ -60,7 +65,6 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.model.n_heads = 4
   c.model.n_kv_heads = 4
   c.model.mlp_dim = 384
-  c.model.block_size = 4        # SDAR block length (ignored for LLaDA)
   c.model.compute_dtype = "float32"
   c.model.remat = False
   c.model.remat_policy = "nothing"  # with remat: "nothing" | "dots" | "dots_no_batch" saved
@@ -137,12 +141,15 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.sampler = ml_collections.ConfigDict()
   c.sampler.gen_length = 12      # sorting: <answer>, 8 digits, </answer>, the stop token, a spare
   c.sampler.steps = 4 if family == "sdar" else 12  # LLaDA: total; SDAR: per block (1 token a step)
-  c.sampler.block_length = 4    # LLaDA semi-autoregressive block
+  # The family's block: LLaDA's semi-autoregressive decoding block; SDAR's diffusion block
+  # (decoding, the likelihood's staircase, a new model's config).
+  c.sampler.block_length = 4
   c.sampler.temperature = 0.7   # rollouts; evaluation is greedy
-  c.sampler.remasking = "low_confidence"
-  c.sampler.strategy = "low_confidence_static"
-  # Rollouts only (evaluation decodes exactly). LLaDA: block-wise KV reuse none | prefix | dual;
-  # threshold: commit every token this confident (0 = off; SDAR: low_confidence_dynamic's).
+  c.sampler.remasking = "low_confidence"   # LLaDA: low_confidence | random
+  c.sampler.strategy = "low_confidence_static"  # SDAR: or low_confidence_dynamic (threshold)
+  # Fast decoding, for rollouts (evaluation decodes exactly unless eval.fast). LLaDA: block-wise
+  # KV reuse none | prefix | dual; threshold: commit every masked token at least this confident
+  # (0 = off; SDAR: low_confidence_dynamic's, which needs it).
   c.sampler.cache = "none"
   c.sampler.threshold = 0.0
   c.sampler.top_k = 0           # SDAR: sample among the k most likely tokens (0 = all)
@@ -153,6 +160,7 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.eval.every = 20             # RL steps between held-out evaluations
   c.eval.num_examples = 256
   c.eval.batch_size = 128
+  c.eval.fast = False           # True: decode with the rollouts' fast settings (sampler.cache, ...)
 
   # Stability detectors (docs/method.md §8, `detectors.MonitorConfig`): events go to metrics.jsonl and the
   # console, each naming its row of the README's Troubleshooting table.
@@ -170,6 +178,7 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.stability.zero_advantage_threshold = 0.9
   c.stability.zero_advantage_consecutive = 10
   c.stability.clip_band = False           # clip fraction outside [clip_low, clip_high]
+  # The healthy clip-fraction band, also the adaptive ε control's target (controls.adaptive_epsilon).
   c.stability.clip_low = 0.10
   c.stability.clip_high = 0.15
   c.stability.clip_consecutive = 20
@@ -181,10 +190,8 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.controls.epsilon_schedule = False     # conservative_epsilon for the first part of RL
   c.controls.conservative_epsilon = 1.0
   c.controls.conservative_fraction = 0.2
-  c.controls.adaptive_epsilon = False     # hold the clip fraction in [clip_low, clip_high]
+  c.controls.adaptive_epsilon = False     # hold the clip fraction in stability.clip_low/high
   c.controls.adaptive_every = 10
-  c.controls.clip_low = 0.10
-  c.controls.clip_high = 0.15
   c.controls.drift = False                # ε·(1 - α·KL) and lr·min(1, 0.5/(KL - threshold + 1))
   c.controls.drift_metric = "kl_k3"
   c.controls.drift_threshold = 0.5
@@ -210,8 +217,17 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   return c
 
 
+def config(family: str, preset: str = "tiny") -> ml_collections.ConfigDict:
+  """`configs/<family>.py:<preset>`: `base_config(family)` with the preset applied, locked."""
+  c = base_config(family)
+  apply_preset(c, preset)
+  c.lock()
+  return c
+
+
 def validate(c: ml_collections.ConfigDict) -> None:
-  """Raise `ValueError` naming the first bad key and value; nothing has run yet."""
+  """Raise `ValueError` naming the first bad key and value among those no settings class owns
+  (module docstring); nothing has run yet."""
   def bad(key: str, why: str):
     value = c
     for part in key.split("."):
@@ -220,80 +236,18 @@ def validate(c: ml_collections.ConfigDict) -> None:
 
   if c.family not in ("llada", "sdar"):
     bad("family", "expected 'llada' or 'sdar'")
-  if c.task.name not in TASKS and ":" not in c.task.name:
-    bad("task.name", f"expected one of {TASKS} or an import path 'package.module:NAME'")
-  from stabledrl_jax import tasks  # resolves import paths and checkers: one-line errors
-  if c.sft.steps and tasks.from_config(c.task).reference_completion is None:
-    bad("sft.steps", f"task {c.task.name!r} has no reference_completion to train on; set 0")
-  if c.rl.objective not in OBJECTIVES:
-    bad("rl.objective", f"expected one of {OBJECTIVES}")
-  for key in ("sft.scheme", "rl.scheme"):
-    stage, name = key.split(".")
-    if c[stage][name] not in SCHEMES:
-      bad(key, f"expected one of {SCHEMES}")
-  if c.rl.coupling not in ("coupled", "independent"):
-    bad("rl.coupling", "expected 'coupled' or 'independent'")
-  if c.rl.advantage not in ("mean", "mean_std", "leave_one_out"):
-    bad("rl.advantage", "expected mean, mean_std or leave_one_out")
-  for key in ("sft.steps", "rl.steps", "checkpoint.every", "log_every"):
+  for key in ("sft.steps", "rl.steps"):
+    if c[key.split(".")[0]][key.split(".")[1]] < 0:
+      bad(key, "must be >= 0")
+  for key in ("checkpoint.every", "log_every", "eval.every", "eval.num_examples", "eval.batch_size",
+              "checkpoint.keep", "task.max_prompt_len"):
     stage, name = key.split(".") if "." in key else (None, key)
-    value = c[stage][name] if stage else c[name]
-    if value < 0 or (key != "sft.steps" and key != "rl.steps" and value == 0):
-      bad(key, "must be a positive integer" if key not in ("sft.steps", "rl.steps") else "must be >= 0")
-  for key in ("sft.batch_size", "rl.prompts_per_step", "rl.group_size", "rl.updates_per_batch",
-              "rl.accumulation", "rl.num_samples", "sampler.gen_length", "sampler.steps",
-              "eval.num_examples", "eval.batch_size", "checkpoint.keep", "task.max_prompt_len",
-              "rl.max_prompt_draws"):
-    stage, name = key.split(".")
-    if c[stage][name] < 1:
+    if (c[stage][name] if stage else c[name]) < 1:
       bad(key, "must be >= 1")
-  if c.rl.prompts_per_step % c.rl.accumulation:
-    bad("rl.accumulation", f"must divide rl.prompts_per_step={c.rl.prompts_per_step} "
-        "(micro-batches hold whole groups)")
   for key in ("sft.lr", "rl.lr"):
     stage, name = key.split(".")
     if not c[stage][name] > 0 or not math.isfinite(c[stage][name]):
       bad(key, "must be a finite number > 0")
-  if c.rl.epsilon < 0:
-    bad("rl.epsilon", "must be >= 0")
-  if c.rl.max_ratio < 0:
-    bad("rl.max_ratio", "must be >= 0 (0 = use epsilon)")
-  if not 0 <= c.rl.p_mask_prompt <= 1:
-    bad("rl.p_mask_prompt", "must lie in [0, 1]")
-  if not 0 <= c.rl.adversarial <= 1:
-    bad("rl.adversarial", "must lie in [0, 1] (the fraction of rollouts; docs/method.md §8 uses 0.7)")
-  k = c.controls
-  if k.epsilon_schedule or k.adaptive_epsilon or k.drift:
-    key = next(f"controls.{n}" for n in ("epsilon_schedule", "adaptive_epsilon", "drift") if k[n])
-    if c.rl.objective not in ("stabledrl", "stabledrl_spg", "grpo", "espo"):
-      bad(key, f"rl.objective={c.rl.objective!r} has no clip ε to control")
-    if c.rl.max_ratio and c.rl.objective.startswith("stabledrl"):
-      bad(key, "controls move ε; with rl.max_ratio set ε is unused (set rl.max_ratio=0)")
-  if k.epsilon_schedule and k.adaptive_epsilon:
-    bad("controls.adaptive_epsilon", "controls.epsilon_schedule also sets ε: enable one")
-  if not 0 <= k.conservative_fraction <= 1:
-    bad("controls.conservative_fraction", "must lie in [0, 1]")
-  if not 0 <= k.clip_low < k.clip_high <= 1:
-    bad("controls.clip_high", f"need 0 <= controls.clip_low={k.clip_low} < clip_high <= 1")
-  for key in ("controls.drift_metric", "stability.kl_metric"):
-    group, name = key.split(".")
-    if c[group][name] not in ("kl_k1", "kl_k3"):
-      bad(key, "expected 'kl_k1' or 'kl_k3'")
-  for name in ("repetition", "kl", "zero_advantage", "clip"):
-    if c.stability[f"{name}_consecutive"] < 1:
-      bad(f"stability.{name}_consecutive", "must be >= 1")
-  if not 0 <= c.stability.clip_low < c.stability.clip_high <= 1:
-    bad("stability.clip_high", f"need 0 <= stability.clip_low={c.stability.clip_low} < clip_high <= 1")
-  if c.rl.epsilon_high < 0:
-    bad("rl.epsilon_high", "must be >= 0 (0 = rl.ppo_epsilon)")
-  if c.rl.epsilon_high and c.rl.objective != "grpo":
-    bad("rl.epsilon_high", f"only GRPO has an upper clip of its own, not rl.objective={c.rl.objective!r}")
-  if k.adaptive_every < 1:
-    bad("controls.adaptive_every", "must be >= 1")
-  if k.conservative_epsilon < 0:
-    bad("controls.conservative_epsilon", "must be >= 0")
-  if c.family == "sdar" and c.rl.p_mask_prompt:
-    bad("rl.p_mask_prompt", "block diffusion never noises the prompt; set 0")
   if c.task.source == "generated" and c.eval.num_examples > c.task.num_test:
     bad("eval.num_examples", f"exceeds task.num_test={c.task.num_test}, the held-out examples "
         "generated; raise task.num_test too")
@@ -306,32 +260,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
       bad("task.sft_unfilled", "must lie in [0, 1)")
   if c.optim.moment_dtype not in ("float32", "bfloat16"):
     bad("optim.moment_dtype", "expected float32 or bfloat16")
-  if not isinstance(c.optim.offload_state, bool):
-    bad("optim.offload_state", "expected True or False")
-  if not isinstance(c.rl.filter_zero_advantage, bool):
-    bad("rl.filter_zero_advantage", "expected True or False")
-  if c.sampler.temperature < 0:
-    bad("sampler.temperature", "must be >= 0")
-  if c.sampler.cache not in ("none", "prefix", "dual") or (
-      c.family == "sdar" and c.sampler.cache != "none"):
-    bad("sampler.cache", "expected none, prefix or dual (LLaDA only; SDAR decodes with its cache)")
-  if not 0 <= c.sampler.threshold <= 1:
-    bad("sampler.threshold", "must lie in [0, 1] (0 = off)")
-  if c.sampler.top_k < 0:
-    bad("sampler.top_k", "must be >= 0 (0 = all tokens)")
-  if not 0 < c.sampler.top_p <= 1:
-    bad("sampler.top_p", "must lie in (0, 1]")
-  if c.sampler.cfg_scale < 0:
-    bad("sampler.cfg_scale", "must be >= 0 (0 = no guidance)")
-  if c.family == "llada" and (c.sampler.top_k or c.sampler.top_p < 1):
-    bad("sampler.top_k" if c.sampler.top_k else "sampler.top_p", "the LLaDA sampler has no top-k/top-p")
-  if c.family == "sdar" and c.sampler.cfg_scale:
-    bad("sampler.cfg_scale", "the SDAR sampler has no classifier-free guidance")
-  if c.family == "llada":
-    if c.sampler.gen_length % c.sampler.block_length:
-      bad("sampler.block_length", f"must divide sampler.gen_length={c.sampler.gen_length}")
-    if c.sampler.steps % (c.sampler.gen_length // c.sampler.block_length):
-      bad("sampler.steps", "must be a multiple of gen_length / block_length")
+  for key in ("optim.offload_state", "eval.fast"):
+    if not isinstance(c[key.split(".")[0]][key.split(".")[1]], bool):
+      bad(key, "expected True or False")
   if c.task.prompt_style not in ("compact", "plain"):
     bad("task.prompt_style", "expected 'compact' or 'plain'")
   if c.task.chat and c.model.tokenizer == "char":
@@ -352,53 +283,3 @@ def validate(c: ml_collections.ConfigDict) -> None:
   for name, weight in c.task.reward_weights.items():
     if not isinstance(weight, (int, float)):
       raise ValueError(f"config.task.reward_weights.{name}={weight!r}: must be a number")
-
-
-def block_size(c: ml_collections.ConfigDict) -> int:
-  """The family's block: SDAR's diffusion block (`model.block_size`), LLaDA's semi-autoregressive
-  sampler block (`sampler.block_length`); masks, the staircase and the checks use it."""
-  return c.model.block_size if c.family == "sdar" else c.sampler.block_length
-
-
-class Settings(NamedTuple):
-  """The config as the typed settings the modules take (`settings`)."""
-  objective: Any      # rl.Objective
-  sampling: Any       # samplers.SDARSampling or LLaDASampling of the rollouts
-  eval_sampling: Any  # the same, greedy, for held-out evaluation
-  monitor: Any        # detectors.MonitorConfig
-  controls: Any       # controls.ControlConfig
-  block_size: int     # `block_size(c)`
-  staircase: bool     # SDAR: the block-causal (staircase) likelihood
-
-
-def sampling(c: ml_collections.ConfigDict, temperature: float, rollout: bool = True):
-  """The family's sampler settings of `config.sampler` at `temperature`; `sampler.cache` /
-  `sampler.threshold` apply to rollouts only (evaluation passes `rollout=False` and keeps the exact
-  sampler)."""
-  from stabledrl_jax import samplers
-  s = c.sampler
-  if c.family == "llada":
-    fast = {"cache": s.cache, "threshold": s.threshold or None} if rollout else {}
-    return samplers.LLaDASampling(gen_length=s.gen_length, block_length=s.block_length,
-                                  steps=s.steps, temperature=temperature, remasking=s.remasking,
-                                  cfg_scale=s.cfg_scale, **fast)
-  threshold = {"threshold": s.threshold} if rollout and s.threshold else {}
-  return samplers.SDARSampling(gen_length=s.gen_length, steps=s.steps, strategy=s.strategy,
-                               temperature=temperature, block_size=c.model.block_size,
-                               top_k=s.top_k, top_p=s.top_p, **threshold)
-
-
-def settings(c: ml_collections.ConfigDict) -> Settings:
-  """`validate`d config -> typed settings, once per run."""
-  from stabledrl_jax import controls, detectors, rl
-  staircase = c.family == "sdar"
-  objective = rl.Objective(
-      name=c.rl.objective, group_size=c.rl.group_size, scheme=c.rl.scheme,
-      num_samples=c.rl.num_samples, p_mask_prompt=c.rl.p_mask_prompt, block_size=block_size(c),
-      staircase=staircase, coupling=c.rl.coupling, epsilon=c.rl.epsilon,
-      max_ratio=c.rl.max_ratio or None, ppo_epsilon=c.rl.ppo_epsilon,
-      epsilon_high=c.rl.epsilon_high or None, kl_coef=c.rl.kl_coef, spg_omega=c.rl.spg_omega,
-      spg_beta=c.rl.spg_beta, adversarial=c.rl.adversarial)
-  return Settings(objective, sampling(c, c.sampler.temperature), sampling(c, 0.0, rollout=False),
-                  detectors.MonitorConfig(**c.stability.to_dict()),
-                  controls.ControlConfig(**c.controls.to_dict()), block_size(c), staircase)

@@ -2,7 +2,7 @@
 learning rate, and the tuning checks of a config.
 
 Plain Python on per-step metrics that are already floats; nothing here touches the device. Which
-controls run comes from `config.controls` (`config_lib.settings`); all are off in the default
+controls run comes from `config.controls` (`ControlConfig.from_config`); all are off in the default
 config. State is a JSON-able dict (`state_dict` / `load_state_dict`) checkpointed with the model.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from stabledrl_jax.detectors import TROUBLESHOOTING, _Stateful
+from stabledrl_jax.detectors import TROUBLESHOOTING, _Stateful, check_clip_band
 
 # ----------------------------------------------------------------------------- ε
 
@@ -60,10 +60,10 @@ class AdaptiveEpsilon(_Stateful):
   ×`max_change` on `log(1+ε)`, and ε stays in `[min_epsilon, max_epsilon]`. Only the clip
   fraction is needed, not the ratios.
   """
-  epsilon: float = 0.2
-  target_low: float = 0.10
-  target_high: float = 0.15
-  every: int = 10
+  epsilon: float
+  target_low: float
+  target_high: float
+  every: int
   max_change: float = 2.0
   min_epsilon: float = 1e-3
   max_epsilon: float = 100.0
@@ -93,7 +93,7 @@ class AdaptiveEpsilon(_Stateful):
 
 
 def scheduled_epsilon(step: int, total_steps: int, *, conservative: float, relaxed: float,
-                      conservative_fraction: float = 0.2, ramp_fraction: float = 0.05) -> float:
+                      conservative_fraction: float, ramp_fraction: float = 0.05) -> float:
   """ε schedule: `conservative` for the first `conservative_fraction` of training, then a linear
   ramp over `ramp_fraction` of it to `relaxed`, which holds until the end."""
   start = conservative_fraction * total_steps
@@ -126,9 +126,9 @@ def lr_brake(lr: float, drift: float, threshold: float) -> float:
 @dataclasses.dataclass
 class DriftControl(_Stateful):
   """Drift-aware ε and learning-rate brake driven by an EMA of the KL estimate (`decay` 0 = none)."""
-  threshold: float = 0.8
-  alpha: float = 0.5
-  decay: float = 0.0
+  threshold: float
+  alpha: float
+  decay: float         # 0 = no averaging
   drift: float = 0.0
   count: int = 0
   _STATE = ("drift", "count")
@@ -181,19 +181,51 @@ def config_warnings(*, lr: float, group_size: int, epsilon: float | None = None,
 
 @dataclasses.dataclass(frozen=True)
 class ControlConfig:
-  """`config.controls` as typed settings (`config_lib.settings`; the defaults live there)."""
+  """`config.controls` as typed settings (`from_config`; the defaults are the config's)."""
   epsilon_schedule: bool      # conservative ε for the first part of RL, then the configured one
   conservative_epsilon: float
   conservative_fraction: float
   adaptive_epsilon: bool      # steer ε so the clip fraction sits in [clip_low, clip_high]
   adaptive_every: int
-  clip_low: float
+  clip_low: float             # the band: config.stability.clip_low / clip_high
   clip_high: float
   drift: bool                 # drift-aware ε and learning-rate brake from the KL estimate
   drift_metric: str
   drift_threshold: float
   drift_alpha: float
   drift_decay: float
+
+  def __post_init__(self):
+    def bad(key, why):
+      raise ValueError(f"config.controls.{key}={getattr(self, key)!r}: {why}")
+    if self.epsilon_schedule and self.adaptive_epsilon:
+      bad("adaptive_epsilon", "controls.epsilon_schedule also sets ε: enable one")
+    if not 0 <= self.conservative_fraction <= 1:
+      bad("conservative_fraction", "must lie in [0, 1]")
+    if self.conservative_epsilon < 0:
+      bad("conservative_epsilon", "must be >= 0")
+    if self.adaptive_every < 1:
+      bad("adaptive_every", "must be >= 1")
+    if self.drift_metric not in ("kl_k1", "kl_k3"):
+      bad("drift_metric", "expected 'kl_k1' or 'kl_k3'")
+    check_clip_band(self.clip_low, self.clip_high)
+
+  @classmethod
+  def from_config(cls, c, objective) -> ControlConfig:
+    """`config.controls` with the clip band of `config.stability`, checked against the run's
+    `rl.Objective` (a control moves its clip ε)."""
+    config = cls(**c.controls.to_dict(), clip_low=c.stability.clip_low,
+                 clip_high=c.stability.clip_high)
+    if config.moves_epsilon:
+      key = next(n for n in ("epsilon_schedule", "adaptive_epsilon", "drift")
+                 if getattr(config, n))
+      if objective.spec.clip is None:
+        raise ValueError(f"config.controls.{key}=True: rl.objective={objective.name!r} has no "
+                         "clip ε to control")
+      if objective.spec.clip == "log_ratio" and objective.max_ratio is not None:
+        raise ValueError(f"config.controls.{key}=True: controls move ε; with rl.max_ratio set ε "
+                         "is unused (set rl.max_ratio=0)")
+    return config
 
   @property
   def moves_epsilon(self) -> bool:

@@ -74,11 +74,12 @@ def min_commits(num_masked_B: Array, steps_left) -> Array:
 
 
 def confident_commit(confidence_BxL: Array, eligible_BxL: Array, k_B: Array,
-                     threshold: float | None, *, strict: bool = False) -> Array:
-  """Commit the `k` most confident eligible positions, and with a threshold every eligible one
-  whose confidence is at or above it (`strict`: above it). Both families' threshold decoding."""
+                     threshold: float, *, strict: bool = False) -> Array:
+  """Commit the `k` most confident eligible positions, and with a threshold (> 0; 0 = off) every
+  eligible one whose confidence is at or above it (`strict`: above it). Both families' threshold
+  decoding."""
   commit = select_top_k(confidence_BxL, eligible_BxL, k_B)
-  if threshold is not None:
+  if threshold > 0:
     above = confidence_BxL > threshold if strict else confidence_BxL >= threshold
     commit = commit | (eligible_BxL & above)
   return commit

@@ -3,7 +3,7 @@ troubleshooting table their events point to.
 
 Plain Python on metrics that are already floats (`diagnostics.to_floats`); nothing here touches
 the device. Which detectors run, and their thresholds, come from `config.stability`
-(`config_lib.settings`). Stateful pieces keep their state in a JSON-able dict (`state_dict` /
+(`build.settings`). Stateful pieces keep their state in a JSON-able dict (`state_dict` /
 `load_state_dict`), so a trainer can checkpoint it with the model and a resumed run behaves as if
 it had never stopped.
 
@@ -196,7 +196,7 @@ class ThresholdAlarm(_Stateful):
 
 @dataclasses.dataclass(frozen=True)
 class MonitorConfig:
-  """`config.stability` as typed settings (`config_lib.settings`; the defaults live there)."""
+  """`config.stability` as typed settings (`from_config`; the defaults are the config's)."""
   entropy_band: bool
   entropy_z: float
   repetition: bool
@@ -214,6 +214,27 @@ class MonitorConfig:
   clip_high: float
   clip_consecutive: int
   stop_on_event: bool
+
+  def __post_init__(self):
+    for name in ("repetition", "kl", "zero_advantage", "clip"):
+      if getattr(self, f"{name}_consecutive") < 1:
+        raise ValueError(f"config.stability.{name}_consecutive="
+                         f"{getattr(self, f'{name}_consecutive')!r}: must be >= 1")
+    if self.kl_metric not in ("kl_k1", "kl_k3"):
+      raise ValueError(f"config.stability.kl_metric={self.kl_metric!r}: expected 'kl_k1' or 'kl_k3'")
+    check_clip_band(self.clip_low, self.clip_high)
+
+  @classmethod
+  def from_config(cls, stability) -> MonitorConfig:
+    return cls(**stability.to_dict())
+
+
+def check_clip_band(low: float, high: float) -> None:
+  """The healthy clip-fraction band `config.stability.clip_low/clip_high` (the clip-band detector
+  watches it, the adaptive ε control steers into it)."""
+  if not 0 <= low < high <= 1:
+    raise ValueError(f"config.stability.clip_high={high!r}: need 0 <= stability.clip_low={low!r} "
+                     "< clip_high <= 1")
 
 
 def _alarms(c: MonitorConfig) -> dict[str, tuple[bool, ThresholdAlarm]]:

@@ -19,8 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # The masked means and group reshapes of the losses, so both count rows and groups alike.
-from stabledrl_jax.losses import _grouped, _masked_mean
-from stabledrl_jax.losses import _valid_or_ones as _mask_or_ones
+from stabledrl_jax.losses import grouped, masked_mean, valid_or_ones
 
 Array = jax.Array
 
@@ -43,7 +42,7 @@ def token_entropies(logits_BxLxV: Array, temperature: float = 1.0) -> Array:
 
 def token_entropy(logits_BxLxV: Array, mask_BxL: Array, temperature: float = 1.0) -> Array:
   """Mean over counted completion tokens of the per-token entropy `-Σ_v p_v log p_v` (nats)."""
-  return _masked_mean(token_entropies(logits_BxLxV, temperature), mask_BxL)
+  return masked_mean(token_entropies(logits_BxLxV, temperature), mask_BxL)
 
 
 # ----------------------------------------------------------------------------- repetition
@@ -83,7 +82,7 @@ def repetition_rate(tokens_BxL: Array, mask_BxL: Array, n: int = 4) -> Array:
   """
   repeated_B, total_B = repeated_ngrams(tokens_BxL, mask_BxL, n)
   rate_B = repeated_B / jnp.maximum(total_B, 1)
-  return _masked_mean(rate_B, total_B > 0)
+  return masked_mean(rate_B, total_B > 0)
 
 
 def longest_run_fraction(tokens_BxL: Array, mask_BxL: Array) -> Array:
@@ -102,7 +101,7 @@ def longest_run_fraction(tokens_BxL: Array, mask_BxL: Array) -> Array:
   run_BxL = jnp.where(mask_BxL, pos_BxL - run_start_BxL + 1, 0)
   count_B = jnp.sum(mask_BxL, axis=-1)
   frac_B = jnp.max(run_BxL, axis=-1) / jnp.maximum(count_B, 1)
-  return _masked_mean(frac_B, count_B > 0)
+  return masked_mean(frac_B, count_B > 0)
 
 
 # ----------------------------------------------------------------------------- KL(θ_old‖θ)
@@ -118,11 +117,11 @@ def kl_estimates(log_ratio: Array, mask: Array | None = None) -> dict[str, Array
   over `mask`.
   """
   lr = log_ratio.astype(jnp.float32)
-  mask = _mask_or_ones(mask, lr)
+  mask = valid_or_ones(mask, lr)
   lr = jnp.where(mask, lr, 0.0)
   return {
-      "kl_k1": _masked_mean(-lr, mask),
-      "kl_k3": _masked_mean(jnp.expm1(lr) - lr, mask),
+      "kl_k1": masked_mean(-lr, mask),
+      "kl_k3": masked_mean(jnp.expm1(lr) - lr, mask),
   }
 
 
@@ -137,13 +136,13 @@ def zero_advantage_fraction(
   Group-relative advantages vanish in such a group whatever the objective. A group with one
   valid row counts as equal; a group with none drops out.
   """
-  r_NxG = _grouped(rewards_B.astype(jnp.float32), group_size)
-  v_NxG = _grouped(_mask_or_ones(valid_B, rewards_B), group_size)
+  r_NxG = grouped(rewards_B.astype(jnp.float32), group_size)
+  v_NxG = grouped(valid_or_ones(valid_B, rewards_B), group_size)
   hi_N = jnp.max(jnp.where(v_NxG, r_NxG, -jnp.inf), axis=-1)
   lo_N = jnp.min(jnp.where(v_NxG, r_NxG, jnp.inf), axis=-1)
   has_rows_N = jnp.any(v_NxG, axis=-1)
   flat_N = jnp.where(has_rows_N, hi_N - lo_N <= atol, False)
-  return _masked_mean(flat_N, has_rows_N)
+  return masked_mean(flat_N, has_rows_N)
 
 
 def reward_stats(
@@ -154,10 +153,10 @@ def reward_stats(
   The within-group std is the spread the advantages `r_j - mean_k r_k` are made of.
   """
   r_B = rewards_B.astype(jnp.float32)
-  v_B = _mask_or_ones(valid_B, r_B)
-  mean = _masked_mean(r_B, v_B)
-  var = _masked_mean((r_B - mean) ** 2, v_B)
-  r_NxG, v_NxG = _grouped(r_B, group_size), _grouped(v_B, group_size)
+  v_B = valid_or_ones(valid_B, r_B)
+  mean = masked_mean(r_B, v_B)
+  var = masked_mean((r_B - mean) ** 2, v_B)
+  r_NxG, v_NxG = grouped(r_B, group_size), grouped(v_B, group_size)
   n_N = jnp.sum(v_NxG, axis=-1)
   gmean_N1 = (jnp.sum(jnp.where(v_NxG, r_NxG, 0.0), axis=-1) / jnp.maximum(n_N, 1))[:, None]
   gvar_N = jnp.sum(jnp.where(v_NxG, (r_NxG - gmean_N1) ** 2, 0.0), axis=-1) / jnp.maximum(n_N, 1)
@@ -167,7 +166,7 @@ def reward_stats(
       "reward_std": jnp.sqrt(var),
       "reward_min": jnp.where(any_valid, jnp.min(jnp.where(v_B, r_B, jnp.inf)), 0.0),
       "reward_max": jnp.where(any_valid, jnp.max(jnp.where(v_B, r_B, -jnp.inf)), 0.0),
-      "reward_group_std": _masked_mean(jnp.sqrt(gvar_N), n_N > 0),
+      "reward_group_std": masked_mean(jnp.sqrt(gvar_N), n_N > 0),
   }
 
 
@@ -179,15 +178,15 @@ def length_stats(
   A completion that fills `max_length` never emitted end-of-sequence within the budget.
   """
   n_B = lengths_B.astype(jnp.float32)
-  v_B = _mask_or_ones(valid_B, n_B)
+  v_B = valid_or_ones(valid_B, n_B)
   any_valid = jnp.any(v_B)
   out = {
-      "length_mean": _masked_mean(n_B, v_B),
+      "length_mean": masked_mean(n_B, v_B),
       "length_min": jnp.where(any_valid, jnp.min(jnp.where(v_B, n_B, jnp.inf)), 0.0),
       "length_max": jnp.where(any_valid, jnp.max(jnp.where(v_B, n_B, -jnp.inf)), 0.0),
   }
   if max_length is not None:
-    out["truncated_fraction"] = _masked_mean(n_B >= max_length, v_B)
+    out["truncated_fraction"] = masked_mean(n_B >= max_length, v_B)
   return out
 
 
@@ -216,7 +215,7 @@ def step_diagnostics(
   Merge with the loss metrics (`losses.snis_clip_loss`) and the gradient norm for the log.
   """
   mask_BxL = mask_BxL.astype(bool)
-  valid_B = _mask_or_ones(valid_B, rewards_B)
+  valid_B = valid_or_ones(valid_B, rewards_B)
   out = {"zero_adv_fraction": zero_advantage_fraction(rewards_B, group_size, valid_B)}
   out.update(reward_stats(rewards_B, group_size, valid_B))
   out.update(length_stats(jnp.sum(mask_BxL, axis=-1), valid_B, mask_BxL.shape[1]))
@@ -225,7 +224,7 @@ def step_diagnostics(
     out["repetition_rate"] = repetition_rate(tokens_BxL, rows_BxL, ngram)
     out["longest_run_fraction"] = longest_run_fraction(tokens_BxL, rows_BxL)
   if entropy_BxL is not None:
-    out["token_entropy"] = _masked_mean(entropy_BxL.astype(jnp.float32), rows_BxL)
+    out["token_entropy"] = masked_mean(entropy_BxL.astype(jnp.float32), rows_BxL)
   if log_ratio is not None:
     out.update(kl_estimates(log_ratio, log_ratio_mask))
   return {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}

@@ -1,13 +1,17 @@
-r"""Evaluate a checkpoint on its task's test split:
+r"""Held-out evaluation: the one function training and the `evaluate` command share (`evaluate`),
+and the command:
 
   python -m stabledrl_jax.evaluate --config=configs/llada.py:8b \
       --config.model.checkpoint=/path/to/LLaDA-8B-Instruct --config.task.source_dir=/data/gsm8k
   python -m stabledrl_jax.evaluate --from_workdir=runs/llada_8b [--step=N] --num_samples=4
 
-Decodes with the config's sampler, greedily unless `--num_samples` > 1 (then at
-`sampler.temperature`, or `--temperature`), writes `eval_<name>.jsonl` (one row per example:
-prompt, completions, extracted answers, rewards, correct) and prints accuracy (the mean over all
-samples), pass@k, mean completion length, wall time and generated tokens/s.
+Decoding is exact (the config's sampler without its fast settings) unless `--config.eval.fast=True`;
+greedy unless `--num_samples` > 1 (then at `sampler.temperature`, or `--temperature`). The
+figures, named alike everywhere (training's eval.jsonl and console, this command's output):
+`mean_reward` (the config's weighted reward, over every sample), `accuracy` (the fraction of
+samples the task judges correct), `pass_at_k` (examples with any of their k samples correct),
+and the sampler that produced them. The command also writes `eval_<name>.jsonl` (one row per
+example: prompt, completions, extracted answers, rewards, correct).
 """
 from __future__ import annotations
 
@@ -20,9 +24,9 @@ import jax
 import numpy as np
 from absl import flags
 
-from stabledrl_jax import cli, config_lib, distributed, rl, sharding
-from stabledrl_jax import tasks
-from stabledrl_jax.tasks import datasets, pipeline
+from stabledrl_jax import build, cli, distributed, samplers, sharding
+from stabledrl_jax.tasks import pipeline
+
 
 def define_flags() -> None:
   cli.define_policy_flags()
@@ -35,23 +39,13 @@ def define_flags() -> None:
                       "or the current directory).")
 
 
-def test_examples(c, task, data_dir: str) -> list:
-  """The config's task test split, as `main` reads it."""
-  kwargs = dict(data_dir=c.task.data_dir or data_dir, source=c.task.source)
-  if c.task.source == "local":
-    kwargs["source_dir"] = c.task.source_dir
-  elif c.task.source == "generated":
-    kwargs.update(num_train=c.task.num_train, num_test=c.task.num_test, seed=c.seed)
-    if c.task.name == "sudoku":
-      kwargs["blanks"] = c.task.blanks
-  source = datasets.load_source(task, "test", **kwargs)
-  return [source[i] for i in range(len(source))]
-
-
-def summarize(correct_NxK: np.ndarray, lengths_NxK: np.ndarray, wall: float) -> dict:
-  """Accuracy over every sample, pass@k (any of an example's k correct), lengths, throughput."""
+def summarize(rewards_NxK: np.ndarray, correct_NxK: np.ndarray, lengths_NxK: np.ndarray,
+              wall: float) -> dict:
+  """Mean reward and accuracy over every sample, pass@k (any of an example's k correct), lengths,
+  throughput."""
   return {"num_examples": int(correct_NxK.shape[0]), "num_samples": int(correct_NxK.shape[1]),
-          "accuracy": float(correct_NxK.mean()), "pass_at_k": float(correct_NxK.any(1).mean()),
+          "mean_reward": float(rewards_NxK.mean()), "accuracy": float(correct_NxK.mean()),
+          "pass_at_k": float(correct_NxK.any(1).mean()),
           "mean_completion_length": float(lengths_NxK.mean()), "wall_s": wall,
           "tokens_per_s": float(lengths_NxK.sum()) / max(wall, 1e-9)}
 
@@ -66,40 +60,47 @@ def progress(done: int, total: int, tokens: int, t0: float) -> None:
         f"ETA {eta:.0f}s", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
 
-def run(c, task, model, tokenizer, examples: list, k: int, temperature: float,
-        out_path: str) -> dict:
+def evaluate(c, model, tokenizer, task, examples: list, *, k: int = 1, temperature: float = 0.0,
+             rollout_mesh=None, show_progress: bool = False) -> tuple[dict, list[dict]]:
+  """`k` completions of each example with the config's evaluation sampler at `temperature`
+  (`build.eval_sampling`), graded: `(figures, rows)`. Every process decodes its share of each
+  batch and grades all of it, so all get the same figures."""
   reward_fn = task.reward_fn(dict(c.task.reward_weights))
-  sampling = config_lib.sampling(c, temperature)
+  sampling = build.eval_sampling(c, temperature)
   stops = model.config.stop_token_ids
   per_batch = max(1, c.eval.batch_size // k)
-  rows, correct, lengths, tokens, t0 = [], [], [], 0, time.time()
+  rows, rewards, correct, lengths, forwards, forward_tokens = [], [], [], [], [], []
+  t0 = time.time()
   for lo in range(0, len(examples), per_batch):
     exs = examples[lo:lo + per_batch]
     enc = pipeline.encode_prompts(task, exs, tokenizer, max_prompt_len=c.task.max_prompt_len,
                                   style=c.task.prompt_style, chat=c.task.chat)
     ids = np.repeat(enc["prompt_ids_BxP"], k, axis=0)
     mask = np.repeat(enc["prompt_mask_BxP"], k, axis=0)
-    rollout = rl.generate(model, ids, mask, jax.random.fold_in(jax.random.key(c.seed), lo),
-                             sampling)
+    rollout = samplers.generate(model, ids, mask, jax.random.fold_in(jax.random.key(c.seed), lo),
+                                sampling, rollout_mesh=rollout_mesh)
     texts = pipeline.decode_completions(tokenizer, sharding.to_host(rollout.completion_BxC), stops)
-    lens = sharding.to_host(rollout.lengths_B).reshape(len(exs), k)
+    n = len(exs) * k
+    lens = sharding.to_host(rollout.lengths_B)[:n].reshape(len(exs), k)
+    forwards += list(sharding.to_host(rollout.forwards_B)[:n])
+    forward_tokens += list(sharding.to_host(rollout.forward_tokens_B)[:n])
     for i, ex in enumerate(exs):
       outs = texts[i * k:(i + 1) * k]
       ok = [bool(task.is_correct(t, ex)) for t in outs]
+      scores = [float(reward_fn(t, ex)) for t in outs]
+      rewards.append(scores)
       correct.append(ok)
       lengths.append(lens[i].tolist())
       rows.append({"prompt": pipeline.prompt_text(task, ex, style=c.task.prompt_style,
                                                   chat_tokenizer=tokenizer if c.task.chat else None),
                    "completions": outs, "answers": [_jsonable(task.extract_answer(t)) for t in outs],
-                   "rewards": [float(reward_fn(t, ex)) for t in outs], "correct": ok})
-    tokens += int(lens.sum())
-    progress(lo + len(exs), len(examples), tokens, t0)
-  summary = summarize(np.array(correct), np.array(lengths), time.time() - t0)
-  if distributed.is_main():
-    with open(out_path, "w") as f:
-      for row in rows:
-        f.write(json.dumps(row) + "\n")
-  return summary
+                   "rewards": scores, "correct": ok})
+    if show_progress:
+      progress(lo + len(exs), len(examples), int(np.sum(lengths)), t0)
+  figures = summarize(np.array(rewards), np.array(correct), np.array(lengths), time.time() - t0)
+  figures.update(sampler=sampling.label, forwards=float(np.mean(forwards)),
+                 forward_tokens=float(np.mean(forward_tokens)))
+  return figures, rows
 
 
 def _jsonable(value):
@@ -118,10 +119,10 @@ def main(argv):
   out_dir = f.output_dir or workdir or "."
   try:
     model, tokenizer, step = cli.load_policy(c, workdir, f.step)
-    task = tasks.from_config(c.task)
-    examples = test_examples(c, task, os.path.join(out_dir, "data"))
+    task = build.task(c)
+    examples = build.held_out(c, task, os.path.join(out_dir, "data"))
   except (cli.PolicyError, ValueError, KeyError, OSError) as e:
-    cli.fail(str(e).strip("'\""))
+    cli.fail(str(e))
   if f.max_examples:
     examples = examples[:f.max_examples]
   k = f.num_samples
@@ -129,17 +130,23 @@ def main(argv):
   if temperature is None:
     temperature = 0.0 if k == 1 else c.sampler.temperature
   name = f.name or (f"step{step}" if step is not None else
-                         os.path.basename(os.path.normpath(c.model.checkpoint or "init")))
+                    os.path.basename(os.path.normpath(c.model.checkpoint or "init")))
   out_path = os.path.join(out_dir, f"eval_{name}.jsonl")
   os.makedirs(out_dir, exist_ok=True)
   try:
-    s = run(c, task, model, tokenizer, examples, k, temperature, out_path)
+    s, rows = evaluate(c, model, tokenizer, task, examples, k=k, temperature=temperature,
+                       show_progress=distributed.is_main())
   except (ValueError, KeyError) as e:  # e.g. a prompt longer than task.max_prompt_len
-    cli.fail(str(e).strip("'\""))
+    cli.fail(str(e))
+  if distributed.is_main():
+    with open(out_path, "w") as out:
+      for row in rows:
+        out.write(json.dumps(row) + "\n")
   distributed.log(
-      f"{task.name} test, {s['num_examples']} examples x {k}: accuracy {s['accuracy']:.4f}, "
-      f"pass@{k} {s['pass_at_k']:.4f}, mean completion length {s['mean_completion_length']:.1f} "
-      f"tokens, {s['wall_s']:.1f}s, {s['tokens_per_s']:.1f} generated tokens/s -> {out_path}")
+      f"{task.name} test, {s['num_examples']} examples x {k} ({s['sampler']}): mean reward "
+      f"{s['mean_reward']:.4f}, accuracy {s['accuracy']:.4f}, pass@{k} {s['pass_at_k']:.4f}, "
+      f"mean completion length {s['mean_completion_length']:.1f} tokens, {s['wall_s']:.1f}s, "
+      f"{s['tokens_per_s']:.1f} generated tokens/s -> {out_path}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ def default_dtype(c) -> str | None:
   """The source checkpoint's stored dtype (its own format), else None (the parameter dtype)."""
   if not c.model.checkpoint:
     return None
-  hf = models.checkpoint.read_hf_config(c.model.checkpoint)
+  hf = models.huggingface.read_hf_config(c.model.checkpoint)
   dtype = hf.get("torch_dtype") or hf.get("dtype")
   return dtype if dtype in ("float32", "bfloat16", "float16") else None
 
@@ -42,10 +42,10 @@ def main(argv):
     cli.fail("give --workdir=W (a training run) and --out=DIR")
   try:
     if os.path.isdir(f.out) and os.listdir(f.out):  # refused before anything is loaded
-      raise models.checkpoint.ExportError(f"export target {f.out} exists and is not empty")
+      raise models.huggingface.ExportError(f"export target {f.out} exists and is not empty")
     model, _, step = cli.load_policy(c, workdir, f.step)
     export(c, model, f.out, dtype=f.dtype)
-  except (cli.PolicyError, models.checkpoint.ExportError, OSError, ValueError) as e:
+  except (cli.PolicyError, models.huggingface.ExportError, OSError, ValueError) as e:
     cli.fail(str(e))
   distributed.log(f"exported step {step} of {workdir} to {f.out}")
 

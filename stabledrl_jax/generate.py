@@ -7,7 +7,8 @@ r"""Generate from a checkpoint for one-off prompts:
       --config.sampler.gen_length=128 --config.sampler.temperature=0
 
 Prompts go through the tokenizer's chat template when it has one (`--raw` sends them as they
-are). Sampling follows the config's `sampler.*` (`sampler.temperature` included). `--show_order`
+are). Sampling follows the config's `sampler.*` (`sampler.temperature` included), decoding
+exactly unless `--config.eval.fast=True` (then with the rollouts' fast settings). `--show_order`
 also prints, for each generated token, the decoding step that committed it.
 """
 from __future__ import annotations
@@ -18,7 +19,8 @@ import jax
 import numpy as np
 from absl import flags
 
-from stabledrl_jax import cli, config_lib, distributed, rl, sharding
+from stabledrl_jax import build, cli, distributed, samplers, sharding
+
 
 def define_flags() -> None:
   cli.define_policy_flags()
@@ -79,8 +81,8 @@ def main(argv):
     cli.fail(str(e))
   chat = not flags.FLAGS.raw and bool(getattr(tokenizer, "chat_template", None))
   ids, mask = encode(tokenizer, prompts, chat)
-  rollout = rl.generate(model, ids, mask, jax.random.key(c.seed),
-                           config_lib.sampling(c, c.sampler.temperature))
+  rollout = samplers.generate(model, ids, mask, jax.random.key(c.seed),
+                              build.eval_sampling(c, c.sampler.temperature))
   completions = sharding.to_host(rollout.completion_BxC)
   if not distributed.is_main():
     return

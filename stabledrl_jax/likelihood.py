@@ -8,30 +8,13 @@ its clean prefix (docs/method.md §4).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
-from stabledrl_jax import diagnostics, estimators, samplers
+from stabledrl_jax import diagnostics, estimators
+from stabledrl_jax.rollouts import Sequences
 
 Array = jax.Array
-
-
-class Sequences(NamedTuple):
-  """A batch of prompt + completion in a sampler layout (see `samplers`)."""
-  tokens_BxL: Array
-  positions_BxL: Array
-  valid_BxL: Array       # real tokens
-  prompt_BxL: Array      # prompt tokens
-  completion_BxL: Array  # the generated region (noised by estimators)
-  counted_BxL: Array     # completion positions that count (up to the first stop token)
-
-
-def from_rollout(rollout: samplers.Rollout) -> Sequences:
-  completion = rollout.valid_BxL & ~rollout.prompt_mask_BxL
-  return Sequences(rollout.tokens_BxL, rollout.positions_BxL, rollout.valid_BxL,
-                   rollout.prompt_mask_BxL, completion, rollout.completion_mask_BxL)
 
 
 def sample(key: Array, seqs: Sequences, *, scheme: str, num_samples: int, p_mask_prompt: float,
@@ -107,22 +90,3 @@ def masked_logp(model, seqs: Sequences, noised_BxMxL: Array, *, staircase: bool,
   if not with_entropy:
     return out.reshape(b, m, t)
   return out[0].reshape(b, m, t), out[1].reshape(b, m, t)
-
-
-def teacher_forced(prompt_BxP: Array, prompt_valid_BxP: Array, completion_BxC: Array, *,
-                   family: str, block_size: int | None, mask_id: int) -> Sequences:
-  """Prompts and given completions in the sampler's layout (SFT data), every completion slot
-  counted (stop-token padding included, so the model learns to stop)."""
-  g = completion_BxC.shape[1]
-  if family == "llada":
-    tokens, positions, valid, prompt = samplers.llada_layout(prompt_BxP, prompt_valid_BxP, g, mask_id)
-    generated = valid & ~prompt
-    start_B = jnp.full((tokens.shape[0],), prompt_BxP.shape[1], jnp.int32)
-  else:
-    tokens, positions, valid, prompt, generated, _, _ = samplers.sdar_layout(
-        prompt_BxP, prompt_valid_BxP, g, block_size, mask_id)
-    start_B = jnp.argmax(generated, axis=1).astype(jnp.int32)
-  offset_BxL = jnp.clip(jnp.arange(tokens.shape[1])[None, :] - start_B[:, None], 0, g - 1)
-  filled = jnp.take_along_axis(completion_BxC.astype(jnp.int32), offset_BxL, axis=1)
-  tokens = jnp.where(generated, filled, tokens)
-  return Sequences(tokens, positions, valid, prompt, generated, generated)

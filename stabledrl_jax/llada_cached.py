@@ -31,20 +31,18 @@ gradients still come from the exact model.
 """
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from stabledrl_jax import decoding
-from stabledrl_jax import samplers as S
+from stabledrl_jax import decoding, rollouts
+from stabledrl_jax.rollouts import LLaDASampling, Rollout
 
 Array = jax.Array
 
 
 def generate(model: nnx.Module, prompt_BxP: Array, prompt_valid_BxP: Array, key: Array,
-             sampling: S.LLaDASampling) -> S.Rollout:
+             sampling: LLaDASampling) -> Rollout:
   """Fast LLaDA decoding of left-padded prompts (`sampling.cache`, `sampling.threshold`)."""
   return _generate(model, prompt_BxP, prompt_valid_BxP, key, sampling)
 
@@ -54,7 +52,7 @@ def _slice(x, start, size):
 
 
 @nnx.jit(static_argnames=("sampling",))
-def _generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: S.LLaDASampling) -> S.Rollout:
+def _generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: LLaDASampling) -> Rollout:
   cfg = model.config
   mask_id = cfg.mask_token_id
   stop_ids, pad_id = decoding.stop_and_pad_ids(cfg, sampling)
@@ -62,7 +60,7 @@ def _generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: S.LLaDASamplin
   g, bl = sampling.gen_length, sampling.block_length
   num_blocks = g // bl
   spb = sampling.steps // num_blocks
-  tokens, positions, valid, prompt_mask = S.llada_layout(prompt_BxP, prompt_valid_BxP, g, mask_id)
+  tokens, positions, valid, prompt_mask = rollouts.llada_layout(prompt_BxP, prompt_valid_BxP, g, mask_id)
   t = p + g
   # With guidance the forwarded rows are the conditional ones then their unconditional copies.
   copies = 2 if sampling.cfg_scale > 0 else 1
@@ -107,7 +105,7 @@ def _generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: S.LLaDASamplin
     still_masked = block_BxK == mask_id
     x0_BxK, conf_BxK = decoding.choose_tokens(decoding.forbid(logits_BxKxV, mask_id), key, s,
                                               sampling.temperature, sampling.remasking)
-    if sampling.threshold is None:
+    if not sampling.threshold:
       k_B = schedule_BxS[:, i]
     else:
       k_B = decoding.min_commits(jnp.sum(still_masked, -1), spb - i)
@@ -146,38 +144,5 @@ def _generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: S.LLaDASamplin
     carry = jax.lax.fori_loop(0, num_blocks, block, carry)
   tokens, when, forwards, forward_tokens = carry
   generated = jnp.zeros_like(valid).at[:, p:].set(True)
-  return S.finish(tokens, positions, valid, prompt_mask, generated, jnp.full((b,), p, jnp.int32),
+  return rollouts.finish(tokens, positions, valid, prompt_mask, generated, jnp.full((b,), p, jnp.int32),
                   g, stop_ids, pad_id, when, forwards, forward_tokens)
-
-
-# ----------------------------------------------------------------------------- step log
-
-
-def sampler_label(sampling) -> str:
-  """Which sampler produced a rollout: `exact`, or the approximation's settings."""
-  if isinstance(sampling, S.LLaDASampling):
-    if sampling.cache == "none" and sampling.threshold is None:
-      return "llada exact"
-    return f"llada cache={sampling.cache} threshold={sampling.threshold}"
-  if sampling.strategy == "low_confidence_dynamic":
-    return f"sdar {sampling.strategy} threshold={sampling.threshold}"
-  return f"sdar {sampling.strategy}"
-
-
-@jax.jit
-def _rollout_sums(forwards_B, forward_tokens_B, lengths_B):
-  # One program: op by op, each jnp call on a multi-process array is its own SPMD program.
-  return (jnp.mean(forwards_B.astype(jnp.float32)), jnp.mean(forward_tokens_B.astype(jnp.float32)),
-          jnp.sum(lengths_B))
-
-
-def rollout_record(sampling, rollout: S.Rollout, started: float) -> dict:
-  """The rollout phase's step log (waits for the rollout): sampler, forwards per rollout, tokens
-  forwarded per rollout, seconds since `started` (`time.perf_counter()`), generated tokens/s."""
-  jax.block_until_ready(rollout.lengths_B)
-  seconds = max(time.perf_counter() - started, 1e-9)
-  forwards, forward_tokens, tokens = _rollout_sums(rollout.forwards_B, rollout.forward_tokens_B,
-                                                   rollout.lengths_B)
-  return {"rollout_sampler": sampler_label(sampling), "rollout_forwards": float(forwards),
-          "rollout_forward_tokens": float(forward_tokens), "rollout_s": seconds,
-          "rollout_tokens_per_s": float(tokens) / seconds}

@@ -22,7 +22,8 @@ _LN10 = math.log(10.0)
 # ----------------------------------------------------------------------------- helpers
 
 
-def _grouped(x_B: Array, group_size: int) -> Array:
+def grouped(x_B: Array, group_size: int) -> Array:
+  """`[B]` -> `[B / G, G]`: rows as their groups (an error names a batch of partial groups)."""
   if x_B.ndim != 1:
     raise ValueError(f"expected a [B] array, got shape {x_B.shape}")
   if group_size < 1 or x_B.shape[0] % group_size:
@@ -31,7 +32,8 @@ def _grouped(x_B: Array, group_size: int) -> Array:
   return x_B.reshape(-1, group_size)
 
 
-def _valid_or_ones(valid: Array | None, like_B: Array) -> Array:
+def valid_or_ones(valid: Array | None, like_B: Array) -> Array:
+  """The row mask `valid` (checked against `like_B`'s shape), or every row when None."""
   if valid is None:
     return jnp.ones(like_B.shape, bool)
   if valid.shape != like_B.shape:
@@ -39,7 +41,8 @@ def _valid_or_ones(valid: Array | None, like_B: Array) -> Array:
   return valid.astype(bool)
 
 
-def _masked_mean(x: Array, mask: Array) -> Array:
+def masked_mean(x: Array, mask: Array) -> Array:
+  """The mean of `x` over `mask` (0 when the mask is empty)."""
   mask = mask.astype(jnp.float32)
   return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
@@ -125,27 +128,27 @@ def snis_clip_loss(
   """
   low, high = clip_bounds(epsilon, max_ratio)
   log_ratio = jax.lax.stop_gradient(log_ratio).astype(jnp.float32)
-  valid = _valid_or_ones(valid, log_ratio)
+  valid = valid_or_ones(valid, log_ratio)
   clipped_B = jnp.clip(log_ratio, low, high)
 
-  valid_NxG = _grouped(valid, group_size)
-  alpha_NxG = jax.lax.stop_gradient(group_softmax(_grouped(clipped_B, group_size), valid_NxG))
-  adv_NxG = _grouped(advantages.astype(jnp.float32), group_size)
-  sur_NxG = _grouped(surrogate.astype(jnp.float32), group_size)
+  valid_NxG = grouped(valid, group_size)
+  alpha_NxG = jax.lax.stop_gradient(group_softmax(grouped(clipped_B, group_size), valid_NxG))
+  adv_NxG = grouped(advantages.astype(jnp.float32), group_size)
+  sur_NxG = grouped(surrogate.astype(jnp.float32), group_size)
   # where(), not a product, so a padding row with a non-finite surrogate cannot poison the sum.
   terms_NxG = jnp.where(valid_NxG, alpha_NxG * adv_NxG * sur_NxG, 0.0)
   group_has_rows_N = jnp.any(valid_NxG, axis=-1)
-  loss = -_masked_mean(jnp.sum(terms_NxG, axis=-1), group_has_rows_N)
+  loss = -masked_mean(jnp.sum(terms_NxG, axis=-1), group_has_rows_N)
 
   outside_B = (log_ratio < low) | (log_ratio > high)
   safe_log_alpha = jnp.log(jnp.where(alpha_NxG > 0, alpha_NxG, 1.0))
   ess_N = 1.0 / jnp.maximum(jnp.sum(alpha_NxG**2, axis=-1), 1e-30)
   entropy_N = -jnp.sum(alpha_NxG * safe_log_alpha, axis=-1)
   metrics = {
-      "clip_fraction": _masked_mean(outside_B, valid),
+      "clip_fraction": masked_mean(outside_B, valid),
       **_masked_log10_ratio_stats(log_ratio, valid),
-      "ess": _masked_mean(ess_N, group_has_rows_N),
-      "weight_entropy": _masked_mean(entropy_N, group_has_rows_N),
+      "ess": masked_mean(ess_N, group_has_rows_N),
+      "weight_entropy": masked_mean(entropy_N, group_has_rows_N),
       "weight_max": jnp.max(jnp.where(valid_NxG, alpha_NxG, 0.0)),
   }
   if lengths is not None:
@@ -206,8 +209,8 @@ def group_advantages(
   `r_j - mean_{k≠j} r_k` (RLOO), zero for a group with one valid row. Means run over the valid
   rows of a group; invalid rows get advantage 0.
   """
-  r_NxG = _grouped(rewards.astype(jnp.float32), group_size)
-  valid_NxG = _grouped(_valid_or_ones(valid, rewards), group_size)
+  r_NxG = grouped(rewards.astype(jnp.float32), group_size)
+  valid_NxG = grouped(valid_or_ones(valid, rewards), group_size)
   v = valid_NxG.astype(jnp.float32)
   n_N1 = jnp.sum(v, axis=-1, keepdims=True)
   mean_N1 = jnp.sum(r_NxG * v, axis=-1, keepdims=True) / jnp.maximum(n_N1, 1.0)
@@ -273,19 +276,19 @@ def grpo_clip_loss(
     per_token = per_token + kl_coef * kl
   loss = _sequence_then_batch_mean(per_token, mask)
   metrics = {
-      "clip_fraction": _masked_mean(clipped < unclipped, mask),
+      "clip_fraction": masked_mean(clipped < unclipped, mask),
       **_masked_log10_ratio_stats(lr, mask),
-      "kl": _masked_mean(kl, mask),
+      "kl": masked_mean(kl, mask),
   }
   return loss, metrics
 
 
 def _sequence_then_batch_mean(x: Array, mask: Array) -> Array:
   if x.ndim == 1:
-    return _masked_mean(x, mask)
+    return masked_mean(x, mask)
   m = mask.astype(jnp.float32)
   per_seq = jnp.sum(jnp.where(mask, x, 0.0), axis=-1) / jnp.maximum(jnp.sum(m, axis=-1), 1.0)
-  return _masked_mean(per_seq, jnp.any(mask, axis=-1))
+  return masked_mean(per_seq, jnp.any(mask, axis=-1))
 
 
 def espo_loss(
@@ -307,13 +310,13 @@ def espo_loss(
   """
   length = jnp.maximum(lengths.astype(jnp.float32), 1.0)
   log_ratio_B = (elbo_new - jax.lax.stop_gradient(elbo_old)) / length
-  valid = _valid_or_ones(valid, log_ratio_B)
+  valid = valid_or_ones(valid, log_ratio_B)
   loss, metrics = grpo_clip_loss(log_ratio_B, advantages, epsilon=epsilon, mask=valid)
   if kl_coef:
     if elbo_ref is None:
       raise ValueError("kl_coef > 0 needs elbo_ref")
     k2 = 0.5 * ((elbo_new - jax.lax.stop_gradient(elbo_ref)) / length) ** 2
-    metrics["kl"] = _masked_mean(k2, valid)
+    metrics["kl"] = masked_mean(k2, valid)
     loss = loss + kl_coef * metrics["kl"]
   return loss, metrics
 
@@ -368,11 +371,11 @@ def spg_loss(
   `surrogate` is the per-token likelihood bound (`spg_surrogate` of per-token ELBO/EUBO),
   weighted by completion length so that every token counts once across the batch.
   """
-  valid = _valid_or_ones(valid, surrogate)
+  valid = valid_or_ones(valid, surrogate)
   w = jnp.where(valid, lengths.astype(jnp.float32), 0.0)
   terms = jnp.where(valid, w * advantages.astype(jnp.float32) * surrogate.astype(jnp.float32), 0.0)
   loss = -jnp.sum(terms) / jnp.maximum(jnp.sum(w), 1.0)
-  return loss, {"surrogate_mean": _masked_mean(surrogate.astype(jnp.float32), valid)}
+  return loss, {"surrogate_mean": masked_mean(surrogate.astype(jnp.float32), valid)}
 
 
 def importance_weighted_loss(
@@ -391,13 +394,13 @@ def importance_weighted_loss(
   stability experiments can show what the clip and the self-normalisation prevent.
   """
   log_ratio = jax.lax.stop_gradient(log_ratio).astype(jnp.float32)
-  valid = _valid_or_ones(valid, log_ratio)
-  valid_NxG = _grouped(valid, group_size)
+  valid = valid_or_ones(valid, log_ratio)
+  valid_NxG = grouped(valid, group_size)
   n_N1 = jnp.maximum(jnp.sum(valid_NxG, axis=-1, keepdims=True), 1).astype(jnp.float32)
-  w_NxG = jnp.exp(_grouped(log_ratio, group_size)) / n_N1
-  terms_NxG = jnp.where(valid_NxG, w_NxG * _grouped(advantages.astype(jnp.float32), group_size)
-                        * _grouped(surrogate.astype(jnp.float32), group_size), 0.0)
-  loss = -_masked_mean(jnp.sum(terms_NxG, axis=-1), jnp.any(valid_NxG, axis=-1))
+  w_NxG = jnp.exp(grouped(log_ratio, group_size)) / n_N1
+  terms_NxG = jnp.where(valid_NxG, w_NxG * grouped(advantages.astype(jnp.float32), group_size)
+                        * grouped(surrogate.astype(jnp.float32), group_size), 0.0)
+  loss = -masked_mean(jnp.sum(terms_NxG, axis=-1), jnp.any(valid_NxG, axis=-1))
   return loss, _masked_log10_ratio_stats(log_ratio, valid)
 
 
@@ -414,10 +417,10 @@ def wd1_loss(
   Softmaxes run within each group over valid rows; the result is averaged over groups.
   `logp` is the differentiable sequence log-likelihood proxy.
   """
-  valid_NxG = _grouped(_valid_or_ones(valid, logp), group_size)
-  a_NxG = _grouped(advantages.astype(jnp.float32), group_size) / temperature
+  valid_NxG = grouped(valid_or_ones(valid, logp), group_size)
+  a_NxG = grouped(advantages.astype(jnp.float32), group_size) / temperature
   w_pos = jax.lax.stop_gradient(group_softmax(a_NxG, valid_NxG))
   w_neg = jax.lax.stop_gradient(group_softmax(-a_NxG, valid_NxG))
-  lp_NxG = jnp.where(valid_NxG, _grouped(logp.astype(jnp.float32), group_size), 0.0)
+  lp_NxG = jnp.where(valid_NxG, grouped(logp.astype(jnp.float32), group_size), 0.0)
   per_group = jnp.sum((w_neg - w_pos) * lp_NxG, axis=-1)
-  return _masked_mean(per_group, jnp.any(valid_NxG, axis=-1)), {}
+  return masked_mean(per_group, jnp.any(valid_NxG, axis=-1)), {}

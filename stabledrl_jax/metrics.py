@@ -74,13 +74,16 @@ class MetricsWriter:
   full, a record JSON cannot hold) is raised by the next `write` or `flush`.
   """
 
-  def __init__(self, workdir: str, *, total_steps: int, resume_step: int | None):
+  def __init__(self, workdir: str, *, total_steps: int, resume_step: int | None,
+               stage_ends: dict[str, int] | None = None):
+    """`stage_ends`: each stage's end (the step after its last), for the console's ETA of the
+    stage in progress (default: one stage of `total_steps`)."""
     self.active = jax.process_index() == 0
     self.path = os.path.join(workdir, "metrics.jsonl")
     self.eval_path = os.path.join(workdir, "eval.jsonl")
     self.total = total_steps
-    self._t0 = time.time()
-    self._steps_done = 0
+    self.stage_ends = stage_ends or {}
+    self._stage, self._stage_t0, self._stage_steps = None, time.time(), 0
     self._tb = None
     self._thread = None
     self._error: BaseException | None = None
@@ -137,18 +140,22 @@ class MetricsWriter:
         self._tb.add_scalar(prefix + k, v, step)
 
   def progress(self, step: int, stage: str, record: dict[str, Any]) -> None:
-    self._steps_done += 1
+    """The console line of `step`; its ETA is the stage's: its steps left at its own rate so far."""
+    if stage != self._stage:  # a new stage: a new rate (RL steps cost far more than SFT steps)
+      self._stage, self._stage_t0, self._stage_steps = stage, time.time() - record.get("step_s", 0.0), 0
+    self._stage_steps += 1
     if not self.active:
       return
-    elapsed = time.time() - self._t0
-    eta = elapsed / self._steps_done * (self.total - step - 1)
+    elapsed = time.time() - self._stage_t0
+    eta = elapsed / self._stage_steps * (self.stage_ends.get(stage, self.total) - step - 1)
     parts = [f"[{stage}] step {step}/{self.total}", f"loss {record['loss']:.4f}"]
     if "reward_mean" in record:
       parts.append(f"reward {record['reward_mean']:.3f}")
     parts += [f"grad {record['grad_norm']:.3g}"]
     if "clip_fraction" in record:
       parts.append(f"clip {record['clip_fraction']:.2f}")
-    parts += [f"{record['tokens_per_s']:.0f} tok/s", f"ETA {int(eta // 60)}m{int(eta % 60):02d}s"]
+    parts += [f"{record['tokens_per_s']:.0f} tok/s",
+              f"ETA {stage} {int(eta // 60)}m{int(eta % 60):02d}s"]
     if record.get("events"):
       parts.append("EVENT " + ", ".join(record["events"]))
     print(" | ".join(parts), flush=True)
@@ -170,19 +177,20 @@ class MetricsWriter:
 
 def curve_panels(rows: list[dict], evals: list[dict]) -> list[tuple[str, list]]:
   """(title, [(step, value)]) per panel of curves.png: each stage's loss on its own panel (the
-  SFT loss is ~100x the RL loss), RL reward, gradient norm over both stages, held-out accuracy.
+  SFT loss is ~100x the RL loss), RL reward, gradient norm over both stages, held-out mean reward.
   A panel without data (e.g. SFT with sft.steps=0) is left out."""
   def points(key, stage=None):
     return [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))
             and (stage is None or r.get("stage") == stage)]
   panels = [("SFT loss", points("loss", "sft")), ("RL loss", points("loss", "rl")),
             ("RL reward", points("reward_mean", "rl")), ("gradient norm", points("grad_norm")),
-            ("held-out accuracy", [(e["step"], e["accuracy"]) for e in evals])]
+            ("held-out mean reward", [(e["step"], e["mean_reward"]) for e in evals])]
   return [(title, pts) for title, pts in panels if pts]
 
 
 def plot_curves(workdir: str) -> str | None:
-  """WORKDIR/curves.png: `curve_panels`, with the SFT stage shaded on every panel."""
+  """WORKDIR/curves.png: `curve_panels`, the SFT stage shaded on the panels that span it (the RL
+  panels keep their own steps)."""
   rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
   evals = read_jsonl(os.path.join(workdir, "eval.jsonl"))
   if not rows or jax.process_index() != 0:
@@ -194,8 +202,8 @@ def plot_curves(workdir: str) -> str | None:
   sft_steps = [r["step"] for r in rows if r.get("stage") == "sft"]
   fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5), squeeze=False)
   for ax, (title, pts) in zip(axes[0], panels):
-    ax.plot(*zip(*pts), "o-" if title == "held-out accuracy" else "-", lw=1)
-    if sft_steps:
+    ax.plot(*zip(*pts), "o-" if title.startswith("held-out") else "-", lw=1)
+    if sft_steps and min(x for x, _ in pts) <= max(sft_steps):
       ax.axvspan(min(sft_steps), max(sft_steps) + 1, color="0.9", label="SFT")
       ax.legend(loc="best", fontsize="small")
     ax.set_title(title)

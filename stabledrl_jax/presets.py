@@ -1,5 +1,6 @@
-"""The config presets (`configs/NAME.py:PRESET`): `tiny`, `smoke`, `8b`, `8b_official`, as edits
-of `config_lib.base_config`'s dict (`config_lib.apply_preset` is this module's `apply_preset`).
+"""The config presets (`configs/NAME.py:PRESET`): `tiny`, `smoke`, `sudoku`, `8b`, `8b_official`,
+as edits of `config_lib.base_config`'s dict, every one of them here and nowhere else
+(`config_lib.apply_preset` is this module's `apply_preset`).
 """
 from __future__ import annotations
 
@@ -45,19 +46,32 @@ def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
     c.rl.steps, c.rl.warmup_steps = 1000, 0
     c.task.num_train = 2000  # unused with local data; as before, so earlier 8b runs resume
     c.rl.lr, c.optim.decay_steps, c.optim.grad_clip = 2e-6, 2000, 0.2
-    c.rl.group_size, c.rl.updates_per_batch, c.rl.accumulation = 16, 2, 4
+    c.rl.group_size, c.rl.updates_per_batch = 16, 2
     c.rl.prompts_per_step = 16
     c.rl.num_samples = 2
     c.rl.max_ratio = 5.0  # the official code clips the ratio at 5 from above
     c.sampler.gen_length, c.sampler.temperature = 256, 0.9
     c.eval.num_examples, c.eval.every, c.eval.batch_size = 1319, 100, 64
     c.checkpoint.every, c.log_every = 25, 1
+    if c.family == "llada":
+      c.model.preset = "llada_8b"
+      c.rl.accumulation = 4
+      # Rollouts: gen 256, block 32, 128 steps (docs/method.md §6), with the block-wise KV cache
+      # (README: Fast LLaDA rollouts; 8b_official decodes exactly, as the official code).
+      c.sampler.block_length, c.sampler.steps = 32, 128
+      c.sampler.cache = "dual" if preset == "8b" else "none"
+    else:
+      c.model.preset = "sdar_8b"
+      c.sampler.block_length, c.sampler.steps = 4, 4  # denoising steps per block of 4
+      c.rl.accumulation = 8  # the same update in 8 micro-batches: fits 4 v5p chips (BUILD.md)
   if preset == "8b_official":
     official_gsm8k(c)
 
 
 def official_gsm8k(c: ml_collections.ConfigDict) -> None:
-  """The official StableDRL code's GSM8K training run, line for line (README: `8b` vs `8b_official`).
+  """The official StableDRL code's GSM8K training run, line for line (README: `8b` vs `8b_official`),
+  on top of the `8b` preset's settings (which already match it where this sets nothing, e.g. its
+  rollouts: gen 256, block 32, 128 steps).
 
   Its config sets one prompt per process per micro-batch and 4 micro-batches; its README launches
   8 processes, so an optimiser step averages 32 groups: 32 prompts here, 4 micro-batches of 8 (one
@@ -78,5 +92,4 @@ def official_gsm8k(c: ml_collections.ConfigDict) -> None:
   c.rl.lr, c.rl.warmup_steps = 2e-6, 0
   c.optim.b1, c.optim.b2, c.optim.weight_decay = 0.9, 0.99, 0.1
   c.optim.decay_steps, c.optim.grad_clip = 2000, 0.2
-  c.sampler.gen_length, c.sampler.block_length, c.sampler.steps = 256, 32, 128
-  c.sampler.temperature, c.sampler.remasking = 0.9, "low_confidence"
+  c.sampler.temperature, c.sampler.remasking = 0.9, "low_confidence"  # gen 256, block 32, 128 steps

@@ -14,40 +14,131 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from stabledrl_jax import (diagnostics, estimators, flops, likelihood, llada_cached, losses, metrics,
-                           optim, samplers, sharding)
+from stabledrl_jax import (diagnostics, estimators, flops, likelihood, losses, metrics, optim,
+                           rollouts, samplers, sharding)
+from stabledrl_jax.rollouts import LLaDASampling, Rollout, SDARSampling, Sequences
 from stabledrl_jax.tasks import pipeline
 
 Array = jax.Array
 
 
+class Spec(NamedTuple):
+  """An objective's static properties (`OBJECTIVES`)."""
+  loss: Callable      # (Scored, Objective, clip ε) -> (loss, metrics)
+  clip: str | None    # "log_ratio": rl.epsilon / rl.max_ratio; "ppo": rl.ppo_epsilon; None
+  token_level: bool   # per-token ratios: its clip fraction already counts tokens
+  surrogate: str      # the policy term: "elbo" or "spg" (SPG's EUBO/ELBO mix)
+  clip_higher: bool = False  # an upper clip of its own (rl.epsilon_high)
+
+
+# Filled below the loss functions: objective name -> `Spec`.
+OBJECTIVES: dict[str, Spec] = {}
+
+
 @dataclasses.dataclass(frozen=True)
 class Objective:
-  """`config.rl` as the objective's static settings (`config_lib.settings`; the defaults live
-  there). Hashable: part of the compiled step's signature."""
-  name: str
+  """`config.rl` as the objective's static settings (`from_config`; the defaults are the
+  config's). Hashable: part of the compiled step's signature."""
+  name: str                 # `OBJECTIVES`
   group_size: int           # G
   scheme: str               # estimators.SCHEMES
   num_samples: int          # M
   p_mask_prompt: float
-  block_size: int           # config_lib.block_size
+  block_size: int           # sampler.block_length: the family's block
   staircase: bool           # SDAR's block-causal likelihood
   coupling: str             # "coupled" or "independent" old/new masks
-  epsilon: float
-  max_ratio: float | None
-  ppo_epsilon: float
-  epsilon_high: float | None  # GRPO's upper clip (None: ppo_epsilon)
+  epsilon: float            # the objective's clip ε (`Spec.clip`), decided once by `from_config`
+  max_ratio: float | None   # StableDRL: clip the ratio at this value from above only
+  epsilon_high: float | None  # GRPO's upper clip (None: epsilon)
   kl_coef: float
   spg_omega: float
   spg_beta: float
   adversarial: float        # > 0: docs/method.md §8's ratio explosion on this fraction of the rollouts
+
+  def __post_init__(self):
+    def check(ok, key, value, why):
+      if not ok:
+        raise ValueError(f"config.rl.{key}={value!r}: {why}")
+    check(self.name in OBJECTIVES, "objective", self.name, f"expected one of {tuple(OBJECTIVES)}")
+    check(self.scheme in estimators.SCHEMES, "scheme", self.scheme,
+          f"expected one of {estimators.SCHEMES}")
+    check(self.coupling in ("coupled", "independent"), "coupling", self.coupling,
+          "expected 'coupled' or 'independent'")
+    check(self.group_size >= 1, "group_size", self.group_size, "must be >= 1")
+    check(self.num_samples >= 1, "num_samples", self.num_samples, "must be >= 1")
+    check(self.epsilon >= 0, "epsilon", self.epsilon, "must be >= 0")
+    check(self.max_ratio is None or self.max_ratio > 0, "max_ratio", self.max_ratio,
+          "must be > 0 (0 in the config = use epsilon)")
+    check(self.epsilon_high is None or (self.epsilon_high > 0 and self.spec.clip_higher),
+          "epsilon_high", self.epsilon_high,
+          f"rl.objective={self.name!r} has no upper clip of its own (GRPO has)")
+    check(0 <= self.p_mask_prompt <= 1, "p_mask_prompt", self.p_mask_prompt, "must lie in [0, 1]")
+    check(not (self.staircase and self.p_mask_prompt), "p_mask_prompt", self.p_mask_prompt,
+          "block diffusion never noises the prompt; set 0")
+    check(0 <= self.adversarial <= 1, "adversarial", self.adversarial,
+          "must lie in [0, 1] (the fraction of rollouts; docs/method.md §8 uses 0.7)")
+
+  @property
+  def spec(self) -> Spec:
+    return OBJECTIVES[self.name]
+
+  @classmethod
+  def from_config(cls, c) -> Objective:
+    r = c.rl
+    if r.objective not in OBJECTIVES:
+      raise ValueError(f"config.rl.objective={r.objective!r}: expected one of {tuple(OBJECTIVES)}")
+    if r.epsilon < 0 or r.max_ratio < 0:
+      key = "epsilon" if r.epsilon < 0 else "max_ratio"
+      raise ValueError(f"config.rl.{key}={r[key]!r}: must be >= 0")
+    ppo = OBJECTIVES[r.objective].clip == "ppo"
+    return cls(name=r.objective, group_size=r.group_size, scheme=r.scheme,
+               num_samples=r.num_samples, p_mask_prompt=r.p_mask_prompt,
+               block_size=c.sampler.block_length, staircase=c.family == "sdar",
+               coupling=r.coupling, epsilon=r.ppo_epsilon if ppo else r.epsilon,
+               max_ratio=r.max_ratio or None, epsilon_high=r.epsilon_high or None,
+               kl_coef=r.kl_coef, spg_omega=r.spg_omega, spg_beta=r.spg_beta,
+               adversarial=r.adversarial)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """`config.rl` and the rollouts' `config.sampler` as the RL step's settings (`from_config`)."""
+  objective: Objective
+  sampling: LLaDASampling | SDARSampling  # the rollouts'
+  prompts_per_step: int
+  updates_per_batch: int    # μ
+  accumulation: int         # micro-batches per optimiser step
+  advantage: str            # losses.group_advantages' mode
+  filter_zero_advantage: bool
+  max_prompt_draws: int
+
+  def __post_init__(self):
+    def check(ok, key, value, why):
+      if not ok:
+        raise ValueError(f"config.rl.{key}={value!r}: {why}")
+    for key in ("prompts_per_step", "updates_per_batch", "accumulation", "max_prompt_draws"):
+      check(getattr(self, key) >= 1, key, getattr(self, key), "must be >= 1")
+    check(self.prompts_per_step % self.accumulation == 0, "accumulation", self.accumulation,
+          f"must divide rl.prompts_per_step={self.prompts_per_step} (micro-batches hold whole groups)")
+    check(self.advantage in ("mean", "mean_std", "leave_one_out"), "advantage", self.advantage,
+          "expected mean, mean_std or leave_one_out")
+    check(isinstance(self.filter_zero_advantage, bool), "filter_zero_advantage",
+          self.filter_zero_advantage, "expected True or False")
+
+  @classmethod
+  def from_config(cls, c) -> Settings:
+    r = c.rl
+    return cls(Objective.from_config(c), rollouts.sampling_from_config(c, c.sampler.temperature),
+               prompts_per_step=r.prompts_per_step, updates_per_batch=r.updates_per_batch,
+               accumulation=r.accumulation, advantage=r.advantage,
+               filter_zero_advantage=r.filter_zero_advantage, max_prompt_draws=r.max_prompt_draws)
 
 
 class Adversarial(NamedTuple):
@@ -59,7 +150,7 @@ class Adversarial(NamedTuple):
 
 
 class RLBatch(NamedTuple):
-  seqs: likelihood.Sequences
+  seqs: Sequences
   advantages_B: Array
   noised_old_BxMxL: Array  # the behaviour policy's masks (also the new policy's when coupled)
   weight_old_BxMxL: Array
@@ -71,26 +162,7 @@ class RLBatch(NamedTuple):
 # ----------------------------------------------------------------------------- rollouts
 
 
-def generate(model, prompt_ids_BxP, prompt_mask_BxP, key, sampling, *, rows: int | None = None,
-             start: int = 0, rollout_mesh=None) -> samplers.Rollout:
-  """Rollouts for a batch of prompts, the batch split over the model's mesh (if any). With
-  several processes the host arrays are rows `[start, ...)` of a `rows`-row global batch.
-
-  With a `rollout_mesh`, the weights and prompts are resharded onto it for decoding and the
-  rollout comes back on the model's mesh.
-  """
-  fn = samplers.llada_generate if isinstance(sampling, samplers.LLaDASampling) else samplers.sdar_generate
-  mesh = sharding.model_mesh(model)
-  ids, mask = sharding.shard_batch((np.asarray(prompt_ids_BxP), np.asarray(prompt_mask_BxP)), mesh,
-                                   rows=rows, start=start)
-  if rollout_mesh is None:
-    return fn(model, jnp.asarray(ids), jnp.asarray(mask), key, sampling)
-  decoder = sharding.resharded(model, rollout_mesh)
-  ids, mask = sharding.shard_batch((ids, mask), rollout_mesh)
-  return sharding.shard_batch(fn(decoder, ids, mask, key, sampling), mesh)
-
-
-def score(tokenizer, rollout: samplers.Rollout, examples, reward_fn, start: int = 0) -> np.ndarray:
+def score(tokenizer, rollout: Rollout, examples, reward_fn, start: int = 0) -> np.ndarray:
   """Rewards of the rollouts `[start, start + len(examples))` (this process's), on the host."""
   completions = sharding.to_host(rollout.completion_BxC)[start:start + len(examples)]
   texts = pipeline.decode_completions(tokenizer, completions)
@@ -100,7 +172,7 @@ def score(tokenizer, rollout: samplers.Rollout, examples, reward_fn, start: int 
 # ----------------------------------------------------------------------------- objectives
 
 
-def behaviour_logp(model, seqs: likelihood.Sequences, key: Array, obj: Objective):
+def behaviour_logp(model, seqs: Sequences, key: Array, obj: Objective):
   """The old policy's masks and log-probs for a fresh rollout batch (no gradient):
   `(masks, logp_old_BxMxL, adversarial, token_entropy)`.
 
@@ -123,7 +195,7 @@ def behaviour_logp(model, seqs: likelihood.Sequences, key: Array, obj: Objective
   return masks, jax.lax.stop_gradient(lp), adversarial, jax.lax.stop_gradient(entropy)
 
 
-def _draw_masks(key: Array, seqs: likelihood.Sequences, obj: Objective) -> estimators.MaskSample:
+def _draw_masks(key: Array, seqs: Sequences, obj: Objective) -> estimators.MaskSample:
   return likelihood.sample(key, seqs, scheme=obj.scheme, num_samples=obj.num_samples,
                            p_mask_prompt=obj.p_mask_prompt, block_size=obj.block_size)
 
@@ -142,14 +214,24 @@ def _per_token(logp_BxMxL: Array, noised_BxMxL: Array) -> tuple[Array, Array]:
   return total / jnp.maximum(n, 1), n > 0
 
 
+class Scored(NamedTuple):
+  """What every objective's loss reads: the batch and the new policy's log-probs under its masks."""
+  batch: RLBatch
+  logp_BxMxL: Array      # the new policy's per-token log-probs
+  noised_BxMxL: Array    # the masks they were computed under
+  log_ratio_B: Array     # ELBO log ratio new / old per sequence
+  elbo_B: Array          # the new policy's ELBO per sequence
+  lengths_B: Array       # counted completion tokens
+
+
 def policy_loss(model, batch: RLBatch, key: Array, obj: Objective,
                 clip_epsilon: Array | float | None = None) -> tuple[Array, dict[str, Array]]:
   """The configured objective's loss on one (micro-)batch of whole groups, and its metrics plus
   `kl_k1`/`kl_k3`: KL(π_old‖π_θ) per token, from the length-normalised ELBO log ratio, and (clipped
   objectives) `clipped_token_fraction`: the fraction of completion tokens whose weight was clipped.
 
-  `clip_epsilon` (may be traced) replaces the objective's clip ε — `obj.epsilon` for StableDRL,
-  `obj.ppo_epsilon` for GRPO/ESPO — so adaptive or scheduled ε does not recompile the step.
+  `clip_epsilon` (may be traced) replaces `obj.epsilon`, so adaptive or scheduled ε does not
+  recompile the step.
   """
   if obj.coupling == "coupled":
     masks = estimators.MaskSample(batch.noised_old_BxMxL, batch.weight_old_BxMxL)
@@ -164,50 +246,68 @@ def policy_loss(model, batch: RLBatch, key: Array, obj: Objective,
   log_ratio, elbo_new = losses.elbo_ratio(logp_new, weight, batch.logp_old_BxMxL,
                                           batch.weight_old_BxMxL)
   lengths = jnp.sum(batch.seqs.counted_BxL, axis=-1)
-  loss, metrics = _objective(batch, logp_new, noised, log_ratio, elbo_new, lengths, obj,
-                             clip_epsilon)
-  if obj.name == "grpo":  # token-level ratios: the clip fraction already counts tokens
+  scored = Scored(batch, logp_new, noised, log_ratio, elbo_new, lengths)
+  eps = obj.epsilon if clip_epsilon is None else clip_epsilon
+  loss, metrics = obj.spec.loss(scored, obj, eps)
+  if obj.spec.token_level and "clip_fraction" in metrics:  # it already counts tokens
     metrics["clipped_token_fraction"] = metrics["clip_fraction"]
   return loss, {**metrics, **diagnostics.kl_estimates(log_ratio / jnp.maximum(lengths, 1))}
 
 
-def _objective(batch: RLBatch, logp_new: Array, noised: Array, log_ratio: Array, elbo_new: Array,
-               lengths: Array, obj: Objective, clip_epsilon: Array | float | None = None):
-  seqs = batch.seqs
-  adv = batch.advantages_B
-  name = obj.name
-  eps = obj.epsilon if clip_epsilon is None else clip_epsilon
-  ppo_eps = obj.ppo_epsilon if clip_epsilon is None else clip_epsilon
+def _surrogate(x: Scored, obj: Objective) -> Array:
+  """The policy term each sequence's weight multiplies: its ELBO, or SPG's EUBO/ELBO mix."""
+  if obj.spec.surrogate == "elbo":
+    return x.elbo_B
+  upper = losses.eubo(x.logp_BxMxL, x.noised_BxMxL, x.batch.seqs.counted_BxL, beta=obj.spg_beta)
+  return losses.spg_surrogate(x.batch.advantages_B, x.elbo_B, upper, omega=obj.spg_omega)
 
-  if name in ("stabledrl", "stabledrl_spg"):
-    surrogate = elbo_new
-    if name == "stabledrl_spg":
-      upper = losses.eubo(logp_new, noised, seqs.counted_BxL, beta=obj.spg_beta)
-      surrogate = losses.spg_surrogate(adv, elbo_new, upper, omega=obj.spg_omega)
-    return losses.snis_clip_loss(log_ratio, adv, surrogate, group_size=obj.group_size,
-                                 epsilon=eps, max_ratio=obj.max_ratio, lengths=lengths)
-  if name == "grpo":
-    lp_new, seen = _per_token(logp_new, noised)
-    lp_old, _ = _per_token(batch.logp_old_BxMxL, batch.noised_old_BxMxL)
-    lp_ref, _ = _per_token(batch.logp_ref_BxMxL, batch.noised_old_BxMxL)
-    mask = seqs.counted_BxL & seen
-    return losses.grpo_clip_loss(lp_new - lp_old, adv, epsilon=ppo_eps, mask=mask,
-                                 epsilon_high=obj.epsilon_high, ref_log_ratio=lp_ref - lp_new,
-                                 kl_coef=obj.kl_coef)
-  if name == "espo":
-    elbo_old = losses.mc_elbo(batch.logp_old_BxMxL, batch.weight_old_BxMxL)
-    elbo_ref = losses.mc_elbo(batch.logp_ref_BxMxL, batch.weight_old_BxMxL)
-    return losses.espo_loss(elbo_new, elbo_old, adv, lengths, epsilon=ppo_eps,
-                            kl_coef=obj.kl_coef, elbo_ref=elbo_ref)
-  if name in ("spg", "spg_is"):
-    upper = losses.eubo(logp_new, noised, seqs.counted_BxL, beta=obj.spg_beta)
-    surrogate = losses.spg_surrogate(adv, elbo_new, upper, omega=obj.spg_omega)
-    if name == "spg_is":
-      return losses.importance_weighted_loss(log_ratio, adv, surrogate, group_size=obj.group_size)
-    return losses.spg_loss(adv, surrogate, lengths)
-  if name == "wd1":
-    return losses.wd1_loss(adv, elbo_new, group_size=obj.group_size)
-  raise ValueError(f"unknown objective {name!r}")
+
+def _stabledrl(x: Scored, obj: Objective, eps):
+  return losses.snis_clip_loss(x.log_ratio_B, x.batch.advantages_B, _surrogate(x, obj),
+                               group_size=obj.group_size, epsilon=eps, max_ratio=obj.max_ratio,
+                               lengths=x.lengths_B)
+
+
+def _grpo(x: Scored, obj: Objective, eps):
+  b = x.batch
+  lp_new, seen = _per_token(x.logp_BxMxL, x.noised_BxMxL)
+  lp_old, _ = _per_token(b.logp_old_BxMxL, b.noised_old_BxMxL)
+  lp_ref, _ = _per_token(b.logp_ref_BxMxL, b.noised_old_BxMxL)
+  return losses.grpo_clip_loss(lp_new - lp_old, b.advantages_B, epsilon=eps,
+                               mask=b.seqs.counted_BxL & seen, epsilon_high=obj.epsilon_high,
+                               ref_log_ratio=lp_ref - lp_new, kl_coef=obj.kl_coef)
+
+
+def _espo(x: Scored, obj: Objective, eps):
+  b = x.batch
+  elbo_old = losses.mc_elbo(b.logp_old_BxMxL, b.weight_old_BxMxL)
+  elbo_ref = losses.mc_elbo(b.logp_ref_BxMxL, b.weight_old_BxMxL)
+  return losses.espo_loss(x.elbo_B, elbo_old, b.advantages_B, x.lengths_B, epsilon=eps,
+                          kl_coef=obj.kl_coef, elbo_ref=elbo_ref)
+
+
+def _spg(x: Scored, obj: Objective, eps):
+  return losses.spg_loss(x.batch.advantages_B, _surrogate(x, obj), x.lengths_B)
+
+
+def _spg_is(x: Scored, obj: Objective, eps):
+  return losses.importance_weighted_loss(x.log_ratio_B, x.batch.advantages_B, _surrogate(x, obj),
+                                         group_size=obj.group_size)
+
+
+def _wd1(x: Scored, obj: Objective, eps):
+  return losses.wd1_loss(x.batch.advantages_B, x.elbo_B, group_size=obj.group_size)
+
+
+OBJECTIVES.update(
+    stabledrl=Spec(_stabledrl, clip="log_ratio", token_level=False, surrogate="elbo"),
+    stabledrl_spg=Spec(_stabledrl, clip="log_ratio", token_level=False, surrogate="spg"),
+    grpo=Spec(_grpo, clip="ppo", token_level=True, surrogate="elbo", clip_higher=True),
+    espo=Spec(_espo, clip="ppo", token_level=False, surrogate="elbo"),
+    spg=Spec(_spg, clip=None, token_level=False, surrogate="spg"),
+    wd1=Spec(_wd1, clip=None, token_level=False, surrogate="elbo"),
+    spg_is=Spec(_spg_is, clip=None, token_level=False, surrogate="spg"),
+)
 
 
 # ----------------------------------------------------------------------------- compiled pieces
@@ -271,9 +371,9 @@ _step_diagnostics = jax.jit(diagnostics.step_diagnostics, static_argnames=("grou
 
 class Sampled(NamedTuple):
   """A step's rollouts under `rl.filter_zero_advantage` (`dynamic_sample`)."""
-  rollout: samplers.Rollout  # the step's B rollouts (`select_groups`), one draw's shape
+  rollout: Rollout  # the step's B rollouts (`select_groups`), one draw's shape
   rewards_B: np.ndarray      # their rewards, on the host
-  logs: list                 # each draw's `llada_cached.rollout_record`
+  logs: list                 # each draw's `samplers.rollout_record`
   tokens: int                # completion tokens generated over all the draws
   record: dict               # groups_drawn, groups_kept, prompt_draws
 
@@ -316,7 +416,7 @@ def _merged_log(logs: list[dict]) -> dict:
           "rollout_tokens_per_s": tokens / seconds}
 
 
-def dynamic_sample(c, s, data, model, batch, key, rollout_mesh=None) -> Sampled:
+def dynamic_sample(s: Settings, data, model, batch, key, rollout_mesh=None) -> Sampled:
   """DAPO's dynamic sampling (`rl.filter_zero_advantage`), on one process.
 
   Rolls out and scores the step's prompts `batch` with `key` (as the plain step does), then further
@@ -326,34 +426,33 @@ def dynamic_sample(c, s, data, model, batch, key, rollout_mesh=None) -> Sampled:
   advantage and add nothing to the gradient. When the first draw's groups all have signal this
   is the plain step's batch, bit for bit.
   """
-  group, want = c.rl.group_size, c.rl.prompts_per_step
-  rollouts, rewards, signal, logs = [], [], [], []
-  for d in range(c.rl.max_prompt_draws):
+  group, want = s.objective.group_size, s.prompts_per_step
+  drawn, rewards, signal, logs = [], [], [], []
+  for d in range(s.max_prompt_draws):
     if d:
       batch = next(data.rl)
     ids, mask, examples = _repeat_groups(batch, group)
     t = time.perf_counter()
-    rollouts.append(generate(model, ids, mask, jax.random.fold_in(key, d) if d else key,
-                             s.sampling, rows=want * group, rollout_mesh=rollout_mesh))
-    logs.append(llada_cached.rollout_record(s.sampling, rollouts[-1], t))
-    rewards.append(score(data.tokenizer, rollouts[-1], examples, data.reward_fn))
+    drawn.append(samplers.generate(model, ids, mask, jax.random.fold_in(key, d) if d else key,
+                                   s.sampling, rows=want * group, rollout_mesh=rollout_mesh))
+    logs.append(samplers.rollout_record(s.sampling, drawn[-1], t))
+    rewards.append(score(data.tokenizer, drawn[-1], examples, data.reward_fn))
     signal.append(has_signal(rewards[-1], group))
     if sum(int(np.sum(x)) for x in signal) >= want:
       break
   picks = select_groups(signal, want)
   rows_B = np.array([n * group + g for _, n in picks for g in range(group)], np.int32)
   rewards_B = np.concatenate([rewards[d][n * group:(n + 1) * group] for d, n in picks])
-  rollout = rollouts[0]
+  rollout = drawn[0]
   if picks != [(0, n) for n in range(want)]:
     draw_B = np.repeat([d for d, _ in picks], group)
-    for d, source in enumerate(rollouts):
+    for d, source in enumerate(drawn):
       if np.any(draw_B == d):
         rollout = _take_rows(rollout, source, draw_B == d, rows_B)
     rollout = sharding.shard_batch(rollout, sharding.model_mesh(model))
-  tokens = sum(int(jnp.sum(r.lengths_B)) for r in rollouts)
+  tokens = sum(int(jnp.sum(r.lengths_B)) for r in drawn)
   kept = sum(int(signal[d][n]) for d, n in picks)
-  record = {"groups_drawn": want * len(rollouts), "groups_kept": kept,
-            "prompt_draws": len(rollouts)}
+  record = {"groups_drawn": want * len(drawn), "groups_kept": kept, "prompt_draws": len(drawn)}
   return Sampled(rollout, rewards_B, logs, tokens, record)
 
 
@@ -367,44 +466,44 @@ def _repeat_groups(batch, group: int):
 # ----------------------------------------------------------------------------- the step
 
 
-def step(c, s, data, model, ref_model, optimizer, key, clip_epsilon: float | None = None,
+def step(s: Settings, data, model, ref_model, optimizer, key, clip_epsilon: float | None = None,
          lr_scale: float = 1.0, rollout_mesh=None) -> metrics.StepResult:
-  """One RL step of the run configured by `c` (`s = config_lib.settings(c)`) on this process's
+  """One RL step (`s = Settings.from_config(config)`) on this process's
   next prompts of `data.rl`: rollouts -> rewards -> advantages -> behaviour log-probs -> μ
   optimiser updates -> diagnostics. With `rl.filter_zero_advantage` the rollouts are
   `dynamic_sample`'s and the record adds its `groups_drawn`, `groups_kept`, `prompt_draws`."""
   obj, group = s.objective, s.objective.group_size
-  dynamic = c.rl.get("filter_zero_advantage", False)
+  dynamic = s.filter_zero_advantage
   if dynamic and jax.process_count() > 1:
     raise ValueError(f"config.rl.filter_zero_advantage=True: supported on one process only, not "
                      f"{jax.process_count()}")
   k_roll, k_mask, k_update = jax.random.split(key, 3)
   batch = next(data.rl)  # this process's prompts: rows [start, ...) of the step's B rollouts
   ids, mask, examples = _repeat_groups(batch, group)
-  rows, start = c.rl.prompts_per_step * group, data.rl_rows[0] * group
+  rows, start = s.prompts_per_step * group, data.rl_rows[0] * group
 
   t_rollout = time.perf_counter()
   sampled = None
   if dynamic:  # more prompt batches until enough groups have signal (`dynamic_sample`)
-    sampled = dynamic_sample(c, s, data, model, batch, k_roll, rollout_mesh)
+    sampled = dynamic_sample(s, data, model, batch, k_roll, rollout_mesh)
     rollout, host_rewards = sampled.rollout, sampled.rewards_B
     rollout_log = _merged_log(sampled.logs)
   else:
-    rollout = generate(model, ids, mask, k_roll, s.sampling, rows=rows, start=start,
-                       rollout_mesh=rollout_mesh)
-    rollout_log = llada_cached.rollout_record(s.sampling, rollout, t_rollout)
+    rollout = samplers.generate(model, ids, mask, k_roll, s.sampling, rows=rows, start=start,
+                                rollout_mesh=rollout_mesh)
+    rollout_log = samplers.rollout_record(s.sampling, rollout, t_rollout)
     host_rewards = score(data.tokenizer, rollout, examples, data.reward_fn, start)
   rewards = sharding.shard_batch(host_rewards, sharding.model_mesh(model), rows=rows, start=start)
-  adv = _advantages(rewards, group_size=group, mode=c.rl.advantage)
+  adv = _advantages(rewards, group_size=group, mode=s.advantage)
   t_behaviour = time.perf_counter()
   rl_batch, entropy = jax.block_until_ready(behaviour_pass(
-      model, ref_model, likelihood.from_rollout(rollout), adv, k_mask, obj))
+      model, ref_model, rollouts.from_rollout(rollout), adv, k_mask, obj))
   t_update = time.perf_counter()
   eps = None if clip_epsilon is None else jnp.float32(clip_epsilon)
   outs = jax.block_until_ready([
       update(model, optimizer, rl_batch, jax.random.fold_in(k_update, u), eps,
-             jnp.float32(lr_scale), obj=obj, accumulation=c.rl.accumulation)
-      for u in range(c.rl.updates_per_batch)])
+             jnp.float32(lr_scale), obj=obj, accumulation=s.accumulation)
+      for u in range(s.updates_per_batch)])
   t_done = time.perf_counter()
 
   record = {k: float(np.mean([float(o[k]) for o in outs])) for k in outs[0] if k != "skipped"}
@@ -421,10 +520,10 @@ def step(c, s, data, model, ref_model, optimizer, key, clip_epsilon: float | Non
   record.update(rollout_log)
   length = rl_batch.seqs.tokens_BxL.shape[1]
   shape = flops.StepShape(
-      rows=rl_batch.seqs.tokens_BxL.shape[0], prompt=ids.shape[1], gen=c.sampler.gen_length,
-      total=length, samples=obj.num_samples, updates=c.rl.updates_per_batch,
-      sampler_steps=c.sampler.steps, staircase=obj.staircase, reference=ref_model is not None,
-      block=obj.block_size if obj.staircase else c.sampler.block_length,
+      rows=rl_batch.seqs.tokens_BxL.shape[0], prompt=ids.shape[1], gen=s.sampling.gen_length,
+      total=length, samples=obj.num_samples, updates=s.updates_per_batch,
+      sampler_steps=s.sampling.steps, staircase=obj.staircase, reference=ref_model is not None,
+      block=obj.block_size,
       forwards=rollout_log["rollout_forwards"], forward_tokens=rollout_log["rollout_forward_tokens"])
   step_flops = flops.rl_step_flops(model.config, shape)
   if sampled is None:

@@ -21,6 +21,10 @@ RESUMABLE = ("rl.steps", "eval.", "log_every", "checkpoint.", "stability.", "con
              "sampler.threshold", "optim.offload_state")
 
 
+# Keys that moved: (old section, old key) -> (new section, new key), per family.
+MOVED = {"sdar": {("model", "block_size"): ("sampler", "block_length")}}
+
+
 class ConfigChangeError(ValueError):
   """A rerun whose config cannot resume the saved run."""
 
@@ -58,6 +62,21 @@ def read(workdir: str) -> dict[str, Any] | None:
     return json.load(f)
 
 
+def upgrade(record: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
+  """A recorded config in today's schema: moved keys under their new names (`MOVED`), keys that
+  `schema` (a whole config of today) does not have dropped."""
+  out = {key: dict(value) if isinstance(value, dict) else value for key, value in record.items()}
+  for (section, key), (new_section, new_key) in MOVED.get(record.get("family"), {}).items():
+    if key in out.get(section, {}):
+      out.setdefault(new_section, {})[new_key] = out[section].pop(key)
+  for section, value in list(out.items()):
+    if section not in schema:
+      del out[section]
+    elif isinstance(value, dict) and isinstance(schema[section], dict):
+      out[section] = {k: v for k, v in value.items() if k in schema[section]}
+  return out
+
+
 def write(workdir: str, config: dict[str, Any]) -> None:
   """Atomic: a killed write leaves the previous config.json."""
   os.makedirs(workdir, exist_ok=True)
@@ -77,6 +96,8 @@ def check(config: dict[str, Any], workdir: str, *, has_checkpoint: bool,
   is a change that resumes.
   """
   old = read(workdir)
+  if old is not None:
+    old = upgrade(old, config)
   diff = changes(old, config) if old is not None else []
   added = flatten(defaults or {})
   if diff and has_checkpoint:

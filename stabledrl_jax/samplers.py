@@ -3,14 +3,9 @@
 Both compile to one jitted program per shape: every loop is `lax` control flow over static
 shapes, so no step goes back to the host. docs/method.md §5 is the reference algorithm.
 
-Layout. Prompts come left-padded, `[B, P]` ids with a `[B, P]` validity mask. Each row's
-positions start at 0 at its first real token, so padding never changes what a row computes.
-- LLaDA: `[pads | prompt | gen_length masks]`; the generated region is the same slots for every
-  row and is split into blocks of `block_length`.
-- SDAR: blocks are `position // block_size`, so a prompt that does not fill its last block shares
-  it with the first generated tokens. Rows are shifted by whole blocks so that their first
-  generated block falls on the same slots; slots before a row's first token or after its last
-  generated token are invalid (never attended to, never written).
+The layouts, the settings and the `Rollout` they return are `rollouts`'. `generate` is the one
+entry point: it picks the family's sampler (LLaDA's fast decoder in `llada_cached` when the
+settings ask for it) and places the batch on the model's mesh.
 
 The mask token is never a candidate token (its logit is set to -inf before the choice).
 
@@ -20,98 +15,59 @@ half for the token choice, see `decoding.uniforms`), so a reference loop can rep
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Literal, NamedTuple
+import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from stabledrl_jax import decoding
+from stabledrl_jax import decoding, llada_cached, rollouts, sharding
+from stabledrl_jax.rollouts import LLaDASampling, Rollout, SDARSampling
 
 Array = jax.Array
 
 
-class Rollout(NamedTuple):
-  """What a sampler returns. Slots are the sampler's layout (module docstring)."""
-  tokens_BxL: Array          # int32 prompt + completion; after the first stop token: pad_id
-  positions_BxL: Array       # int32 position of each slot (row's first real token = 0)
-  valid_BxL: Array           # bool, real tokens (prompt and generated, before truncation)
-  prompt_mask_BxL: Array     # bool, prompt tokens
-  completion_mask_BxL: Array  # bool, generated tokens up to and including the first stop token
-  completion_BxC: Array      # int32 the generated tokens of each row, left-aligned
-  completion_mask_BxC: Array  # bool, same as completion_mask_BxL in that layout
-  lengths_B: Array           # int32 completion length (stop token included)
-  commit_step_BxL: Array     # int32 decoding step that committed each slot; -1 for the rest
-  forwards_B: Array          # int32 model forwards the row took part in (guidance copies count)
-  forward_tokens_B: Array    # int32 tokens those forwards processed for the row
+def generate(model: nnx.Module, prompt_ids_BxP, prompt_mask_BxP, key: Array, sampling, *,
+             rows: int | None = None, start: int = 0, rollout_mesh=None) -> Rollout:
+  """Rollouts for a batch of prompts with the family's sampler (`sampling`'s type), the batch
+  split over the model's mesh (if any). With several processes the host arrays are rows
+  `[start, ...)` of a `rows`-row global batch.
+
+  With a `rollout_mesh`, the weights and prompts are resharded onto it for decoding and the
+  rollout comes back on the model's mesh.
+  """
+  fn = llada_generate if isinstance(sampling, LLaDASampling) else sdar_generate
+  mesh = sharding.model_mesh(model)
+  ids, mask = sharding.shard_batch((np.asarray(prompt_ids_BxP), np.asarray(prompt_mask_BxP)), mesh,
+                                   rows=rows, start=start)
+  if rollout_mesh is None:
+    return fn(model, jnp.asarray(ids), jnp.asarray(mask), key, sampling)
+  decoder = sharding.resharded(model, rollout_mesh)
+  ids, mask = sharding.shard_batch((ids, mask), rollout_mesh)
+  return sharding.shard_batch(fn(decoder, ids, mask, key, sampling), mesh)
 
 
-def _gather_completion(tokens_BxL, completion_BxL, gen_start_B, gen_length):
-  idx_BxC = gen_start_B[:, None] + jnp.arange(gen_length)[None, :]
-  idx_BxC = jnp.minimum(idx_BxC, tokens_BxL.shape[1] - 1)
-  return (jnp.take_along_axis(tokens_BxL, idx_BxC, axis=1),
-          jnp.take_along_axis(completion_BxL, idx_BxC, axis=1))
+@jax.jit
+def _rollout_sums(forwards_B, forward_tokens_B, lengths_B):
+  # One program: op by op, each jnp call on a multi-process array is its own SPMD program.
+  return (jnp.mean(forwards_B.astype(jnp.float32)), jnp.mean(forward_tokens_B.astype(jnp.float32)),
+          jnp.sum(lengths_B))
 
 
-def finish(tokens, positions, valid, prompt_mask, generated, gen_start_B, gen_length, stop_ids,
-           pad_id, commit_step, forwards, forward_tokens) -> Rollout:
-  """The `Rollout` of a finished decode: stop truncation, padding, the left-aligned completions."""
-  tokens, completion = decoding.truncate_after_stop(tokens, generated, stop_ids, pad_id)
-  tokens = jnp.where(valid, tokens, pad_id)
-  comp_BxC, comp_mask_BxC = _gather_completion(tokens, completion, gen_start_B, gen_length)
-  return Rollout(tokens, positions, valid, prompt_mask, completion, comp_BxC, comp_mask_BxC,
-                 jnp.sum(completion, axis=-1).astype(jnp.int32), commit_step,
-                 jnp.full(gen_start_B.shape, forwards, jnp.int32),
-                 jnp.full(gen_start_B.shape, forward_tokens, jnp.int32))
+def rollout_record(sampling, rollout: Rollout, started: float) -> dict:
+  """The rollout phase's step log (waits for the rollout): sampler, forwards per rollout, tokens
+  forwarded per rollout, seconds since `started` (`time.perf_counter()`), generated tokens/s."""
+  jax.block_until_ready(rollout.lengths_B)
+  seconds = max(time.perf_counter() - started, 1e-9)
+  forwards, forward_tokens, tokens = _rollout_sums(rollout.forwards_B, rollout.forward_tokens_B,
+                                                   rollout.lengths_B)
+  return {"rollout_sampler": sampling.label, "rollout_forwards": float(forwards),
+          "rollout_forward_tokens": float(forward_tokens), "rollout_s": seconds,
+          "rollout_tokens_per_s": float(tokens) / seconds}
 
 
 # ----------------------------------------------------------------------------- LLaDA
-
-
-@dataclasses.dataclass(frozen=True)
-class LLaDASampling:
-  """LLaDA decoding settings (docs/method.md §5); rollouts in the paper: 256 / 32 / 128 / τ = 0.9."""
-  gen_length: int = 256
-  block_length: int = 32
-  steps: int = 128
-  temperature: float = 0.0
-  remasking: Literal["low_confidence", "random"] = "low_confidence"
-  cfg_scale: float = 0.0
-  stop_ids: tuple[int, ...] = ()  # default: the model config's stop tokens
-  pad_id: int | None = None       # default: the model config's pad (else eos) token
-  # Approximate fast decoding (`llada_cached`): block-wise KV reuse and threshold commits.
-  cache: Literal["none", "prefix", "dual"] = "none"
-  threshold: float | None = None  # None: the schedule alone
-
-  def __post_init__(self):
-    if self.cache not in ("none", "prefix", "dual"):
-      raise ValueError(f"unknown cache {self.cache!r}: expected none, prefix or dual")
-    if self.threshold is not None and not 0 <= self.threshold <= 1:
-      raise ValueError(f"threshold={self.threshold} must lie in [0, 1] (or be None: off)")
-    if self.gen_length % self.block_length:
-      raise ValueError(f"gen_length={self.gen_length} is not a multiple of "
-                       f"block_length={self.block_length}")
-    blocks = self.gen_length // self.block_length
-    if self.steps % blocks or self.steps < blocks:
-      raise ValueError(f"steps={self.steps} must be a positive multiple of the number of blocks "
-                       f"({blocks} = gen_length / block_length)")
-    if self.remasking not in ("low_confidence", "random"):
-      raise ValueError(f"unknown remasking {self.remasking!r}: expected low_confidence or random")
-    if self.temperature < 0:
-      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-
-
-def llada_layout(prompt_BxP: Array, prompt_valid_BxP: Array, gen_length: int, mask_id: int):
-  """`(tokens, positions, valid, prompt_mask)` for `[pads | prompt | gen_length masks]`."""
-  b, p = prompt_BxP.shape
-  valid_prompt = prompt_valid_BxP.astype(bool)
-  tokens = jnp.concatenate([prompt_BxP.astype(jnp.int32),
-                            jnp.full((b, gen_length), mask_id, jnp.int32)], axis=1)
-  valid = jnp.concatenate([valid_prompt, jnp.ones((b, gen_length), bool)], axis=1)
-  positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0).astype(jnp.int32)
-  prompt_mask = jnp.concatenate([valid_prompt, jnp.zeros((b, gen_length), bool)], axis=1)
-  return tokens, positions, valid, prompt_mask
 
 
 def llada_generate(model: nnx.Module, prompt_BxP: Array, prompt_valid_BxP: Array, key: Array,
@@ -124,11 +80,10 @@ def llada_generate(model: nnx.Module, prompt_BxP: Array, prompt_valid_BxP: Array
   (`low_confidence`) or at random (`random`), and commits the scheduled number of the most
   confident still-masked tokens of the current block.
 
-  With `cache` other than `none` or a `threshold`, decoding is the approximate fast algorithm of
-  `llada_cached` instead (not the model's exact sampling distribution).
+  With `cache` other than `none` or a `threshold` (`sampling.fast`), decoding is the approximate
+  fast algorithm of `llada_cached` instead (not the model's exact sampling distribution).
   """
-  if sampling.cache != "none" or sampling.threshold is not None:
-    from stabledrl_jax import llada_cached  # it builds on this module
+  if sampling.fast:
     return llada_cached.generate(model, prompt_BxP, prompt_valid_BxP, key, sampling)
   return _llada_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling)
 
@@ -141,7 +96,7 @@ def _llada_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: LLaDASam
   b, p = prompt_BxP.shape
   g, bl = sampling.gen_length, sampling.block_length
   steps_per_block = sampling.steps // (g // bl)
-  tokens, positions, valid, prompt_mask = llada_layout(prompt_BxP, prompt_valid_BxP, g, mask_id)
+  tokens, positions, valid, prompt_mask = rollouts.llada_layout(prompt_BxP, prompt_valid_BxP, g, mask_id)
 
   def block_logits(x_BxL, start):
     """Logits of the current block only: the head (vocabulary-sized) runs on its positions."""
@@ -181,69 +136,12 @@ def _llada_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: LLaDASam
   tokens, _, when = jax.lax.fori_loop(0, sampling.steps, step, (tokens, schedule0, when0))
   generated = jnp.zeros_like(valid).at[:, p:].set(True)
   copies = 2 if sampling.cfg_scale > 0 else 1
-  return finish(tokens, positions, valid, prompt_mask, generated, jnp.full((b,), p, jnp.int32),
+  return rollouts.finish(tokens, positions, valid, prompt_mask, generated, jnp.full((b,), p, jnp.int32),
                 g, stop_ids, pad_id, when, sampling.steps * copies,
                 sampling.steps * copies * tokens.shape[1])
 
 
 # ----------------------------------------------------------------------------- SDAR
-
-
-@dataclasses.dataclass(frozen=True)
-class SDARSampling:
-  """SDAR block decoding settings (docs/method.md §5)."""
-  gen_length: int = 256
-  steps: int = 4  # denoising forwards per block, at most
-  strategy: Literal["low_confidence_static", "low_confidence_dynamic"] = "low_confidence_static"
-  threshold: float = 0.9  # low_confidence_dynamic: commit every token above it
-  temperature: float = 0.0
-  top_k: int = 0
-  top_p: float = 1.0
-  use_cache: bool = True  # False recomputes the whole prefix every step (the reference path)
-  block_size: int | None = None  # default: the model config's block size
-  stop_ids: tuple[int, ...] = ()
-  pad_id: int | None = None
-
-  def __post_init__(self):
-    if self.strategy not in ("low_confidence_static", "low_confidence_dynamic"):
-      raise ValueError(f"unknown strategy {self.strategy!r}: expected low_confidence_static or "
-                       "low_confidence_dynamic")
-    if self.steps < 1 or self.gen_length < 1:
-      raise ValueError(f"steps={self.steps} and gen_length={self.gen_length} must be >= 1")
-    if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-      raise ValueError(f"bad sampling settings: temperature={self.temperature}, "
-                       f"top_k={self.top_k}, top_p={self.top_p}")
-
-
-def sdar_layout(prompt_BxP: Array, prompt_valid_BxP: Array, gen_length: int, block_size: int,
-                mask_id: int):
-  """Block-aligned layout; returns `(tokens, positions, valid, prompt_mask, generated,
-  first_block, num_blocks)`: the first generated block index (same for all rows) and the total.
-
-  Static sizes come from `P`: rows are shifted right by whole blocks so that the block holding
-  their first generated token is block `first_block = ceil((P+1)/B) - 1` (what the longest prompt
-  `P` would need).
-  """
-  b, p = prompt_BxP.shape
-  bs = block_size
-  valid_prompt = prompt_valid_BxP.astype(bool)
-  plen_B = jnp.sum(valid_prompt, axis=1).astype(jnp.int32)
-  first_block = p // bs  # block of position P: the worst case over rows
-  # A row whose prompt fills r = plen mod B slots of its last block ends (r + C - 1) // B blocks
-  # after it; r <= B - 1 bounds every row.
-  num_blocks = first_block + (min(bs - 1, p) + gen_length - 1) // bs + 1
-  t = num_blocks * bs
-  shift_B = (first_block - plen_B // bs) * bs  # slot of position 0, a whole number of blocks
-  slot_1xL = jnp.arange(t, dtype=jnp.int32)[None, :]
-  pos_BxL = slot_1xL - shift_B[:, None]
-  is_prompt = (pos_BxL >= 0) & (pos_BxL < plen_B[:, None])
-  generated = (pos_BxL >= plen_B[:, None]) & (pos_BxL < plen_B[:, None] + gen_length)
-  # Prompt token at position q sits in column q + (P - plen) of the left-padded input.
-  col_BxL = jnp.clip(pos_BxL + (p - plen_B)[:, None], 0, p - 1)
-  prompt_tokens = jnp.take_along_axis(prompt_BxP.astype(jnp.int32), col_BxL, axis=1)
-  tokens = jnp.where(is_prompt, prompt_tokens, mask_id)
-  valid = is_prompt | generated
-  return (tokens, jnp.maximum(pos_BxL, 0), valid, is_prompt, generated, first_block, num_blocks)
 
 
 def sdar_generate(model: nnx.Module, prompt_BxP: Array, prompt_valid_BxP: Array, key: Array,
@@ -265,14 +163,12 @@ def sdar_generate(model: nnx.Module, prompt_BxP: Array, prompt_valid_BxP: Array,
 @nnx.jit(static_argnames=("sampling",))
 def _sdar_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: SDARSampling) -> Rollout:
   cfg = model.config
-  bs = sampling.block_size or cfg.block_size
-  if not bs:
-    raise ValueError("SDAR decoding needs a block size (sampling.block_size or config.block_size)")
+  bs = sampling.block_length
   mask_id = cfg.mask_token_id
   stop_ids, pad_id = decoding.stop_and_pad_ids(cfg, sampling)
   stop_arr = jnp.asarray(stop_ids, jnp.int32)
   b = prompt_BxP.shape[0]
-  tokens, positions, valid, prompt_mask, generated, first_block, num_blocks = sdar_layout(
+  tokens, positions, valid, prompt_mask, generated, first_block, num_blocks = rollouts.sdar_layout(
       prompt_BxP, prompt_valid_BxP, sampling.gen_length, bs, mask_id)
   t = tokens.shape[1]
 
@@ -318,9 +214,8 @@ def _sdar_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: SDARSampl
       x0 = decoding.gumbel_argmax(logits, 1.0 if sampling.temperature > 0 else 0.0, u_choice)
       probs = jax.nn.softmax(logits, axis=-1)
       conf = jnp.take_along_axis(probs, x0[..., None], axis=-1)[..., 0]
-      dynamic = sampling.strategy == "low_confidence_dynamic"
-      commit = decoding.confident_commit(conf, still_masked, schedule_BxS[:, s],
-                                         sampling.threshold if dynamic else None, strict=True)
+      commit = decoding.confident_commit(conf, still_masked, schedule_BxS[:, s], sampling.threshold,
+                                         strict=True)
       blk = jnp.where(commit, x0, blk)
       when_blk = jnp.where(commit, step0 + n, slice_block(when, j))
       return (jax.lax.dynamic_update_slice_in_dim(x, blk, j * bs, axis=1),
@@ -355,5 +250,5 @@ def _sdar_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: SDARSampl
                     + denoise_steps * (bs if sampling.use_cache else t))
   # Rows that stopped early keep masks in later blocks: the stop truncation pads them.
   gen_start_B = jnp.argmax(generated, axis=1).astype(jnp.int32)
-  return finish(tokens, positions, valid, prompt_mask, generated, gen_start_B,
+  return rollouts.finish(tokens, positions, valid, prompt_mask, generated, gen_start_B,
                 sampling.gen_length, stop_ids, pad_id, when, forwards, forward_tokens)

@@ -6,18 +6,46 @@ block-diffusion objective (each block's noisy copy conditioned on the clean pref
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from stabledrl_jax import flops, likelihood, losses, metrics, optim, sharding
-from stabledrl_jax.tasks import sudoku
+from stabledrl_jax import estimators, flops, likelihood, losses, metrics, optim, rollouts, sharding
+from stabledrl_jax.rollouts import Sequences
 
 Array = jax.Array
 
 
-def sft_loss(model, seqs: likelihood.Sequences, key: Array, *, scheme: str, staircase: bool,
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """`config.sft` and what the SFT step needs of the rest of the config (`from_config`)."""
+  scheme: str        # estimators.SCHEMES: random_t (LLaDA's SFT), block_t (SDAR's)
+  batch_size: int
+  gen_length: int    # sampler.gen_length: every completion is padded with its stop token to it
+  family: str        # the layout: llada or sdar
+  block_size: int    # sampler.block_length
+  seed: int
+
+  def __post_init__(self):
+    if self.scheme not in estimators.SCHEMES:
+      raise ValueError(f"config.sft.scheme={self.scheme!r}: expected one of {estimators.SCHEMES}")
+    if self.batch_size < 1:
+      raise ValueError(f"config.sft.batch_size={self.batch_size!r}: must be >= 1")
+
+  @property
+  def staircase(self) -> bool:
+    return self.family == "sdar"
+
+  @classmethod
+  def from_config(cls, c) -> Settings:
+    return cls(scheme=c.sft.scheme, batch_size=c.sft.batch_size, gen_length=c.sampler.gen_length,
+               family=c.family, block_size=c.sampler.block_length, seed=c.seed)
+
+
+def sft_loss(model, seqs: Sequences, key: Array, *, scheme: str, staircase: bool,
              block_size: int) -> tuple[Array, dict[str, Array]]:
   """Masked-diffusion SFT: minus the Monte Carlo ELBO of the reference completions (one mask)."""
   masks = likelihood.sample(key, seqs, scheme=scheme, num_samples=1, p_mask_prompt=0.0,
@@ -38,13 +66,12 @@ def update(model, optimizer, seqs, key, *, scheme, staircase, block_size):
   return {"loss": loss, **optim.apply(model, optimizer, grads)}
 
 
-def targets(c, task, examples, step: int, start: int) -> list[str]:
-  """The SFT completions of `examples` (global rows `start`...): the task's references, or for
-  Sudoku with `task.sft_unfilled` > 0 a weaker demonstrator's answers. Each row's draw depends only
-  on (seed, step, global row), so resumed runs and any process count train on the same targets."""
-  if c.task.name == "sudoku" and c.task.sft_unfilled:
-    return [sudoku.unfilled_demonstration(ex, c.task.sft_unfilled,
-                                          np.random.default_rng([c.seed, step, start + i]))
+def targets(s: Settings, task, examples, step: int, start: int) -> list[str]:
+  """The SFT completions of `examples` (global rows `start`...): the task's references, or its
+  demonstrator's answers where it has one (`Task.demonstrate`). Each row's draw depends only on
+  (seed, step, global row), so resumed runs and any process count train on the same targets."""
+  if task.demonstrate is not None:
+    return [task.demonstrate(ex, np.random.default_rng([s.seed, step, start + i]))
             for i, ex in enumerate(examples)]
   return [task.reference_completion(ex) for ex in examples]
 
@@ -61,22 +88,21 @@ def encode_completions(tokenizer, texts: list[str], gen_length: int) -> np.ndarr
   return out
 
 
-def step(c, s, data, model, optimizer, key, index: int) -> metrics.StepResult:
-  """SFT step `index` of the run configured by `c` (`s = config_lib.settings(c)`) on this
-  process's next batch of `data.sft`."""
+def step(s: Settings, data, model, optimizer, key, index: int) -> metrics.StepResult:
+  """SFT step `index` on this process's next batch of `data.sft`."""
   batch = next(data.sft)
-  texts = targets(c, data.task, batch["examples"], index, data.sft_rows[0])
-  completions = encode_completions(data.tokenizer, texts, c.sampler.gen_length)
-  seqs = likelihood.teacher_forced(
+  texts = targets(s, data.task, batch["examples"], index, data.sft_rows[0])
+  completions = encode_completions(data.tokenizer, texts, s.gen_length)
+  seqs = rollouts.teacher_forced(
       jnp.asarray(batch["prompt_ids_BxP"]), jnp.asarray(batch["prompt_mask_BxP"]),
-      jnp.asarray(completions), family=c.family, block_size=c.model.block_size,
+      jnp.asarray(completions), family=s.family, block_size=s.block_size,
       mask_id=model.config.mask_token_id)
-  seqs = sharding.shard_batch(seqs, sharding.model_mesh(model), rows=c.sft.batch_size,
+  seqs = sharding.shard_batch(seqs, sharding.model_mesh(model), rows=s.batch_size,
                               start=data.sft_rows[0])
-  out = update(model, optimizer, seqs, key, scheme=c.sft.scheme, staircase=s.staircase,
+  out = update(model, optimizer, seqs, key, scheme=s.scheme, staircase=s.staircase,
                block_size=s.block_size)
   rows, length = seqs.tokens_BxL.shape
   step_flops = {"update": 3.0 * flops.forward_flops(model.config, rows,
                                                     length * (2 if s.staircase else 1))}
-  return metrics.StepResult({k: float(v) for k, v in out.items()},
-                            c.sft.batch_size * c.sampler.gen_length, step_flops)
+  return metrics.StepResult({k: float(v) for k, v in out.items()}, s.batch_size * s.gen_length,
+                            step_flops)

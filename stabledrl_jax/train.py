@@ -22,8 +22,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from stabledrl_jax import (build, checkpointing, config_lib, controls, detectors, distributed,
-                           flops, metrics, optim, rl, run_record, sft, sharding)
-from stabledrl_jax.tasks import pipeline
+                           evaluate, export, flops, metrics, optim, rl, run_record, sft)
 
 
 class SetupError(Exception):
@@ -34,8 +33,8 @@ class SetupError(Exception):
 class Run:
   """What the run loop works on; checkpointed: model, optimiser, data iterators, detectors,
   controls and the skipped-update count."""
-  c: ml_collections.ConfigDict
-  s: config_lib.Settings
+  config: ml_collections.ConfigDict
+  settings: build.Settings
   workdir: str
   data: build.Data
   model: nnx.Module
@@ -50,7 +49,7 @@ class Run:
 
   @property
   def total(self) -> int:
-    return self.c.sft.steps + self.c.rl.steps
+    return self.config.sft.steps + self.config.rl.steps
 
 
 def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -61,7 +60,8 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """
   r = setup(c, workdir)
   step = resume(r)
-  r.writer = metrics.MetricsWriter(workdir, total_steps=r.total, resume_step=step - 1 if step else None)
+  r.writer = metrics.MetricsWriter(workdir, total_steps=r.total, resume_step=step - 1 if step else None,
+                                   stage_ends={"sft": c.sft.steps, "rl": r.total})
   try:
     while step < r.total:
       stopped = train_step(r, step)
@@ -72,7 +72,6 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                         "config and rerun the same command to resume")
         return {"stopped": stopped._asdict(), "skipped_updates": r.skipped}
     final = final_evaluation(r)
-    from stabledrl_jax import export  # noqa: PLC0415 (export's command line imports train)
     distributed.log(f"policy: {export.export(c, r.model, os.path.join(workdir, 'hf'), replace=True)}")
   finally:
     r.ckpt.wait()
@@ -84,8 +83,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 def setup(c: ml_collections.ConfigDict, workdir: str) -> Run:
   """Settings, meshes, tokenizer, data, model, detectors, controls and the checkpointer."""
   try:
-    config_lib.validate(c)
-    s = config_lib.settings(c)
+    s = build.settings(c)
     os.makedirs(workdir, exist_ok=True)
     for line in run_record.check(c.to_dict(), workdir, main_process=distributed.is_main(),
                                  has_checkpoint=run_record.has_checkpoint(workdir),
@@ -101,12 +99,11 @@ def setup(c: ml_collections.ConfigDict, workdir: str) -> Run:
   # The tuning guidance is for pretrained checkpoints, not the tiny from-scratch runs.
   for warning in controls.config_warnings(
       lr=c.rl.lr, group_size=c.rl.group_size, epsilon=c.rl.epsilon,
-      max_ratio=c.rl.max_ratio or None, block_length=s.block_size,
-      block_diffusion=s.staircase) if c.model.checkpoint else ():
+      max_ratio=c.rl.max_ratio or None, block_length=c.sampler.block_length,
+      block_diffusion=c.family == "sdar") if c.model.checkpoint else ():
     distributed.log(f"warning: {warning}")
-  epsilon = c.rl.ppo_epsilon if c.rl.objective in ("grpo", "espo") else c.rl.epsilon
   return Run(c, s, workdir, data, model, rollout_mesh, detectors.StabilityMonitor(s.monitor),
-             controls.StepControls(s.controls, total=c.rl.steps, epsilon=epsilon),
+             controls.StepControls(s.controls, total=c.rl.steps, epsilon=s.rl.objective.epsilon),
              checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), keep=c.checkpoint.keep))
 
 
@@ -114,10 +111,10 @@ def resume(r: Run) -> int:
   """The first step to run: 0, or the one after the latest checkpoint, restored into `r`."""
   start = r.ckpt.latest_step()
   if start is None:
-    r.optimizer = optim.stage_optimizer(r.model, r.c, "sft" if r.c.sft.steps else "rl")
+    r.optimizer = optim.stage_optimizer(r.model, r.config, "sft" if r.config.sft.steps else "rl")
     return 0
   meta = r.ckpt.read_meta(start)
-  r.optimizer = optim.stage_optimizer(r.model, r.c, meta["stage"])
+  r.optimizer = optim.stage_optimizer(r.model, r.config, meta["stage"])
   r.ckpt.restore(start, r.model, r.optimizer)
   r.data.sft.set_state(meta["sft_iterator"])
   r.data.rl.set_state(meta["rl_iterator"])
@@ -131,13 +128,13 @@ def resume(r: Run) -> int:
 def train_step(r: Run, step: int) -> detectors.Event | None:
   """Step `step` (SFT or RL), its metrics, and the evaluation and checkpoint due after it; the
   event that stops the run, if any."""
-  c, sft_total = r.c, r.c.sft.steps
+  c, sft_total = r.config, r.config.sft.steps
   key = jax.random.fold_in(jax.random.key(c.seed), step)
   t0 = time.time()
   stopped = None
   if step < sft_total:
     stage = "sft"
-    result = sft.step(c, r.s, r.data, r.model, r.optimizer, key, step)
+    result = sft.step(r.settings.sft, r.data, r.model, r.optimizer, key, step)
     record = result.record
     if step == sft_total - 1:  # the stage ends: RL starts with a fresh optimiser
       r.optimizer = optim.stage_optimizer(r.model, c, "rl")
@@ -163,7 +160,7 @@ def train_step(r: Run, step: int) -> detectors.Event | None:
 
 def rl_step(r: Run, step: int, key) -> tuple[metrics.StepResult, list[detectors.Event]]:
   """The RL step under the controls' ε and learning-rate factor, fed to the detectors."""
-  c, sft_total = r.c, r.c.sft.steps
+  c, sft_total = r.config, r.config.sft.steps
   if step == sft_total or (r.ref_model is None and c.rl.kl_coef):
     if step == sft_total:
       log_eval(r, step, "before RL")
@@ -171,8 +168,8 @@ def rl_step(r: Run, step: int, key) -> tuple[metrics.StepResult, list[detectors.
       r.ref_model = reference_model(r.model, os.path.join(r.workdir, "reference"),
                                     fresh=step == sft_total)
   eps, lr_scale = r.controls.settings(step - sft_total)
-  moves = r.s.controls.moves_epsilon
-  result = rl.step(c, r.s, r.data, r.model, r.ref_model, r.optimizer, key,
+  moves = r.settings.controls.moves_epsilon
+  result = rl.step(r.settings.rl, r.data, r.model, r.ref_model, r.optimizer, key,
                    eps if moves else None, lr_scale, r.rollout_mesh)
   record = result.record
   r.controls.update(record)
@@ -190,43 +187,24 @@ def save(r: Run, at: int, stage: str) -> None:
   r.writer.flush()  # a checkpoint never gets ahead of the metrics a resumed run keeps
   r.ckpt.save(at, r.model, r.optimizer, {
       "stage": stage, "sft_iterator": r.data.sft.get_state(), "rl_iterator": r.data.rl.get_state(),
-      "skipped_updates": r.skipped, "seed": r.c.seed, "monitor": r.monitor.state_dict(),
+      "skipped_updates": r.skipped, "seed": r.config.seed, "monitor": r.monitor.state_dict(),
       "controls": r.controls.state_dict(),
-      "rng_key": np.asarray(jax.random.key_data(jax.random.key(r.c.seed))).tolist()})
-
-
-def evaluate(c, s: config_lib.Settings, data: build.Data, model, rollout_mesh=None) -> dict[str, float]:
-  """Greedy decoding on the held-out examples: mean task score (`accuracy`), solve rate, and the
-  model forwards and tokens forwarded per example. Every process decodes its share and grades all
-  of them, so all get the same result."""
-  scores, solved, forwards, forward_tokens = [], [], [], []
-  for lo in range(0, len(data.test), c.eval.batch_size):
-    exs = data.test[lo:lo + c.eval.batch_size]
-    enc = pipeline.encode_prompts(data.task, exs, data.tokenizer, max_prompt_len=c.task.max_prompt_len,
-                                  style=c.task.prompt_style, chat=c.task.chat)
-    rollout = rl.generate(model, enc["prompt_ids_BxP"], enc["prompt_mask_BxP"], jax.random.key(0),
-                          s.eval_sampling, rollout_mesh=rollout_mesh)
-    texts = pipeline.decode_completions(data.tokenizer, sharding.to_host(rollout.completion_BxC))
-    scores += [data.task.correctness(t, ex) for t, ex in zip(texts, exs)]
-    solved += [data.task.is_correct(t, ex) for t, ex in zip(texts, exs)]
-    forwards += list(sharding.to_host(rollout.forwards_B)[:len(exs)])
-    forward_tokens += list(sharding.to_host(rollout.forward_tokens_B)[:len(exs)])
-  return {"accuracy": float(np.mean(scores)), "solve_rate": float(np.mean(solved)),
-          "num_examples": len(scores), "forwards": float(np.mean(forwards)),
-          "forward_tokens": float(np.mean(forward_tokens))}
+      "rng_key": np.asarray(jax.random.key_data(jax.random.key(r.config.seed))).tolist()})
 
 
 def log_eval(r: Run, at: int, tag: str) -> dict[str, float]:
-  result = evaluate(r.c, r.s, r.data, r.model, r.rollout_mesh)
+  """The held-out evaluation (`evaluate.evaluate`, greedy) after step `at`, recorded and printed."""
+  result, _ = evaluate.evaluate(r.config, r.model, r.data.tokenizer, r.data.task, r.data.test,
+                                rollout_mesh=r.rollout_mesh)
   r.writer.write(at, {"tag": tag, **result}, eval_record=True)
-  distributed.log(f"held-out {tag}: accuracy {result['accuracy']:.3f}, solve rate "
-                  f"{result['solve_rate']:.3f} ({result['num_examples']} examples)")
+  distributed.log(f"held-out {tag}: mean reward {result['mean_reward']:.3f}, accuracy "
+                  f"{result['accuracy']:.3f} ({result['num_examples']} examples, {result['sampler']})")
   return result
 
 
 def final_evaluation(r: Run) -> dict[str, float]:
   """The closing evaluation, unless a finished run already logged it (a rerun does not redo it)."""
-  final_tag = "after RL" if r.c.rl.steps else "after SFT"
+  final_tag = "after RL" if r.config.rl.steps else "after SFT"
   r.writer.flush()
   done = [e for e in metrics.read_jsonl(r.writer.eval_path)  # of this total (rl.steps may grow)
           if e["tag"] == final_tag and e["step"] == r.total - 1]
@@ -241,8 +219,9 @@ def summary(r: Run, final: dict[str, float]) -> dict[str, Any]:
     return {"after": final, "skipped_updates": r.skipped}
   evals = metrics.read_jsonl(os.path.join(r.workdir, "eval.jsonl"))
   before = next((e for e in evals if e["tag"] == "before RL"), None)
-  if before is not None and r.c.rl.steps:
-    print(f"held-out accuracy before RL {before['accuracy']:.3f} -> after RL {final['accuracy']:.3f}",
+  if before is not None and r.config.rl.steps:
+    print(f"held-out before RL -> after RL: mean reward {before['mean_reward']:.3f} -> "
+          f"{final['mean_reward']:.3f}, accuracy {before['accuracy']:.3f} -> {final['accuracy']:.3f}",
           flush=True)
   png = metrics.plot_curves(r.workdir)
   if png:

@@ -2,7 +2,8 @@
 
 `evaluate`, `generate` and `export` read it for `--from_workdir=W` / `--workdir=W`, so that
 `--config.sampler.steps=...` style overrides apply to it as to any config file. Keys added to
-the package since the run recorded its config take their defaults (`config_lib.base_config`).
+the package since the run recorded its config take their defaults (`config_lib.base_config`);
+keys moved or removed since are upgraded (`run_record.upgrade`).
 """
 from typing import Any
 
@@ -30,7 +31,8 @@ def get_config(workdir: str) -> ml_collections.ConfigDict:
                             "workdir, or one from before runs recorded their config)")
   family = record.get("family")
   if family in ("llada", "sdar"):
-    record = _with_new_keys(config_lib.base_config(family).to_dict(), record)
+    defaults = config_lib.base_config(family).to_dict()
+    record = _with_new_keys(defaults, run_record.upgrade(record, defaults))
   c = ml_collections.ConfigDict(record)
   c.lock()
   return c

@@ -50,16 +50,16 @@ def test_the_median_runs_with_the_steps():
   assert bench.explosions([0.0, 11.0], [0.0, 1.0]) == [False, True]
 
 
-def test_diff_std_and_the_accuracy_curve():
+def test_diff_std_and_the_reward_curve():
   # Changes 0.2, -0.1, 0.2: mean 0.1, deviations 0.1, -0.2, 0.1, variance 0.06 / 3.
   assert bench.diff_std([0.1, 0.3, 0.2, 0.4]) == pytest.approx(math.sqrt(0.02))
   assert bench.diff_std([0.5, 0.5, 0.5]) == 0.0
   assert math.isnan(bench.diff_std([0.5]))
-  evals = [{"tag": "after SFT", "step": 4, "accuracy": 0.1},
-           {"tag": "before RL", "step": 5, "accuracy": 0.2},
-           {"tag": "after 2 RL steps", "step": 6, "accuracy": 0.3},
-           {"tag": "after RL", "step": 8, "accuracy": 0.5}]
-  assert bench.accuracy_curve(evals, first_rl_step=5) == [(0, 0.2), (2, 0.3), (4, 0.5)]
+  evals = [{"tag": "after SFT", "step": 4, "mean_reward": 0.1},
+           {"tag": "before RL", "step": 5, "mean_reward": 0.2},
+           {"tag": "after 2 RL steps", "step": 6, "mean_reward": 0.3},
+           {"tag": "after RL", "step": 8, "mean_reward": 0.5}]
+  assert bench.reward_curve(evals, first_rl_step=5) == [(0, 0.2), (2, 0.3), (4, 0.5)]
 
 
 def _rows(n, sft=2, **per_step):
@@ -77,9 +77,9 @@ def test_summarise_rows_by_hand():
   top = [2.0, "nan", "inf", *[2.0] * 8, 30.0]  # metrics.jsonl writes non-finite norms as strings
   rows = _rows(12, grad_norm_max=top, events=events)
   rows[2 + 1]["grad_norm"] = "nan"
-  evals = [{"tag": "before RL", "step": 2, "accuracy": 0.25},
-           {"tag": "after 6 RL steps", "step": 7, "accuracy": 0.5},
-           {"tag": "after RL", "step": 13, "accuracy": 0.25}]
+  evals = [{"tag": "before RL", "step": 2, "mean_reward": 0.25},
+           {"tag": "after 6 RL steps", "step": 7, "mean_reward": 0.5},
+           {"tag": "after RL", "step": 13, "mean_reward": 0.25}]
   s = bench.summarise_rows(rows, evals)
   assert s["steps"] == 12 and s["finished"]
   assert s["explosion_rate"] == pytest.approx(3 / 12)  # nan, inf, and 30 > 10 x median 1
@@ -90,13 +90,13 @@ def test_summarise_rows_by_hand():
   assert s["events"] == {"kl_alarm": 2, "low_entropy_collapse": 1}
   assert (s["collapses"], s["kl_alarms"]) == (1, 2)
   assert (s["before"], s["after"]) == (0.25, 0.25)
-  assert s["accuracy_curve"] == [(0, 0.25), (6, 0.5), (12, 0.25)]
+  assert s["reward_curve"] == [(0, 0.25), (6, 0.5), (12, 0.25)]
   assert s["norm_curve"][0] == (1, 2.0) and math.isnan(s["norm_curve"][1][1])
 
 
 def test_started_from_the_sft_checkpoint():
   rl = [r for r in _rows(3, sft=4) if r["stage"] == "rl"]
-  before = [{"tag": "before RL", "step": 4, "accuracy": 0.0}]
+  before = [{"tag": "before RL", "step": 4, "mean_reward": 0.0}]
   assert bench.started_from(rl, before, sft_steps=4) is None
   assert "SFT steps" in bench.started_from(_rows(3, sft=4), before, sft_steps=4)
   assert "first RL step is 4" in bench.started_from(rl, before, sft_steps=2)

@@ -10,7 +10,9 @@ from stabledrl_jax import config_lib, controls
 
 def control_config(**kw):
   """`config.controls` (every control off) with `kw`."""
-  return controls.ControlConfig(**{**config_lib.base_config("sdar").controls.to_dict(), **kw})
+  c = config_lib.base_config("sdar")
+  return controls.ControlConfig(**{**c.controls.to_dict(), "clip_low": c.stability.clip_low,
+                                   "clip_high": c.stability.clip_high, **kw})
 
 
 # ----------------------------------------------------------------------------- adaptive ε
@@ -28,7 +30,8 @@ def test_adaptive_epsilon_holds_the_clip_fraction_in_band_on_drifting_ratios(mea
   sigma = np.geomspace(0.5, 1.5, steps)  # the ratio spread triples over the run
   mu = np.linspace(0.0, mean_drift, steps)
   ratios = [rng.normal(mu[t], sigma[t], batch) for t in range(steps)]
-  ctl = controls.AdaptiveEpsilon(epsilon=controls.epsilon_from_ratios(ratios[0]), every=every)
+  ctl = controls.AdaptiveEpsilon(epsilon=controls.epsilon_from_ratios(ratios[0]), every=every,
+                                 target_low=0.10, target_high=0.15)
   fixed = ctl.epsilon
   adaptive_cf, fixed_cf = [], []
   for lr in ratios:
@@ -46,7 +49,7 @@ def test_adaptive_epsilon_holds_the_clip_fraction_in_band_on_drifting_ratios(mea
 
 
 def test_adaptive_epsilon_changes_only_every_n_steps_and_in_the_right_direction():
-  ctl = controls.AdaptiveEpsilon(epsilon=0.5, every=3)
+  ctl = controls.AdaptiveEpsilon(epsilon=0.5, every=3, target_low=0.10, target_high=0.15)
   assert [ctl.update(0.5) for _ in range(2)] == [0.5, 0.5]
   assert ctl.update(0.5) > 0.5  # clipping too often: loosen
   e = ctl.epsilon
@@ -58,11 +61,11 @@ def test_adaptive_epsilon_changes_only_every_n_steps_and_in_the_right_direction(
 
 def test_adaptive_epsilon_state_round_trips_through_json():
   cf = (np.random.default_rng(6).random(37) * 0.4).astype(np.float32)  # NumPy scalars in
-  whole = controls.AdaptiveEpsilon(epsilon=1.0, every=5)
+  whole = controls.AdaptiveEpsilon(epsilon=1.0, every=5, target_low=0.10, target_high=0.15)
   want = [whole.update(c) for c in cf]
-  a = controls.AdaptiveEpsilon(epsilon=1.0, every=5)
+  a = controls.AdaptiveEpsilon(epsilon=1.0, every=5, target_low=0.10, target_high=0.15)
   got = [a.update(c) for c in cf[:17]]
-  b = controls.AdaptiveEpsilon(every=5)
+  b = controls.AdaptiveEpsilon(epsilon=0.2, every=5, target_low=0.10, target_high=0.15)
   b.load_state_dict(json.loads(json.dumps(a.state_dict())))
   got += [b.update(c) for c in cf[17:]]
   assert got == want
@@ -78,7 +81,8 @@ def test_epsilon_from_ratios_is_the_90th_percentile():
 
 
 def test_scheduled_epsilon_conservative_then_relaxed():
-  f = lambda s: controls.scheduled_epsilon(s, 1000, conservative=1.0, relaxed=5.0)
+  f = lambda s: controls.scheduled_epsilon(s, 1000, conservative=1.0, relaxed=5.0,
+                                             conservative_fraction=0.2)
   assert [f(0), f(199), f(200), f(225), f(250), f(999)] == [1.0, 1.0, 1.0, 3.0, 5.0, 5.0]
 
 
@@ -126,10 +130,8 @@ def test_step_controls_compose_schedule_adaptive_and_drift():
   again = controls.StepControls(cfg, epsilon=4.0, total=100)
   again.load_state_dict(json.loads(json.dumps(sc.state_dict())))
   assert again.settings(1) == (eps, lr_scale)
-  c = config_lib.base_config("sdar")  # one check of the two ε controls, in the config's
-  c.controls.epsilon_schedule = c.controls.adaptive_epsilon = True
-  with pytest.raises(ValueError, match="enable one"):
-    config_lib.validate(c)
+  with pytest.raises(ValueError, match="^config.controls.adaptive_epsilon=True: .*enable one"):
+    control_config(epsilon_schedule=True, adaptive_epsilon=True)  # one check, in the class
 
 
 def test_config_warnings_on_the_effective_step():

@@ -97,7 +97,7 @@ def read_jsonl_if(path):
 def test_launcher_reports_a_failed_process_and_its_exit_code(tmp_path):
   out = launch_local(tmp_path, "--config.rl.nope=1", timeout=120)
   assert out.returncode == 1
-  assert "unknown config key config.rl.nope" in out.stderr
+  assert "unknown config key rl.nope" in out.stderr
   assert "launch: process" in out.stderr and "exited with code 1" in out.stderr
 
 

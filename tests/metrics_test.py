@@ -53,3 +53,12 @@ def test_resume_truncates_records_after_the_checkpoint(tmp_path):
   w = metrics.MetricsWriter(str(tmp_path), total_steps=10, resume_step=3)
   assert [r["step"] for r in metrics.read_jsonl(w.path)] == [0, 1, 2, 3]
   w.close()
+
+
+def test_curve_panels_split_the_stages():
+  rows = [{"step": 0, "stage": "sft", "loss": 4.5, "grad_norm": 1.0},
+          {"step": 1, "stage": "rl", "loss": 0.01, "reward_mean": 0.5, "grad_norm": 0.2}]
+  panels = dict(metrics.curve_panels(rows, [{"step": 1, "mean_reward": 0.25}]))
+  assert panels["SFT loss"] == [(0, 4.5)] and panels["RL loss"] == [(1, 0.01)]
+  assert panels["gradient norm"] == [(0, 1.0), (1, 0.2)]
+  assert "SFT loss" not in dict(metrics.curve_panels(rows[1:], []))

@@ -89,12 +89,12 @@ def test_config_paths_resolve_from_any_directory(tmp_path, monkeypatch):
 
   monkeypatch.chdir(tmp_path)
   resolved = config_lib.resolve_config_arg("configs/llada.py:8b")
-  assert resolved == str(PACKAGE / "configs" / "llada.py") + ":8b"
+  assert resolved == str(ROOT / "configs" / "llada.py") + ":8b"
   (tmp_path / "configs").mkdir()
   (tmp_path / "configs" / "llada.py").write_text("")  # a user's own file of that name wins
   assert config_lib.resolve_config_arg("configs/llada.py:8b") == "configs/llada.py:8b"
   assert config_lib.resolve_config_flags(["main", "--config", "configs/sdar.py", "--x=1"]) == [
-      "main", "--config", str(PACKAGE / "configs" / "sdar.py"), "--x=1"]
+      "main", "--config", str(ROOT / "configs" / "sdar.py"), "--x=1"]
 
 
 def test_main_reads_its_configs_outside_the_repository(tmp_path):
@@ -113,9 +113,40 @@ def test_8b_presets_need_the_users_data(family, tmp_path):
 
   from stabledrl_jax import config_lib
 
-  c = importlib.import_module(f"stabledrl_jax.configs.{family}").get_config("8b").unlock()
+  c = importlib.import_module(f"configs.{family}").get_config("8b").unlock()
   c.model.checkpoint = str(tmp_path)
   with pytest.raises(ValueError, match=r"^config.task.source_dir='': task.source='local' needs"):
     config_lib.validate(c)
   c.task.source = "public"
   config_lib.validate(c)
+
+
+def test_the_wheel_carries_every_module_and_the_configs_found_from_anywhere(tmp_path):
+  import subprocess
+  import zipfile
+
+  import shutil
+
+  source = tmp_path / "source"  # a copy: building writes build/ and egg-info next to the sources
+  source.mkdir()
+  for name in ("pyproject.toml", "requirements.txt", "README.md"):
+    shutil.copy(ROOT / name, source / name)
+  for name in ("stabledrl_jax", "configs"):
+    shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+  subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                  "-w", str(tmp_path / "wheel"), str(source)], check=True, capture_output=True,
+                 timeout=300)
+  wheel = next((tmp_path / "wheel").glob("*.whl"))
+  with zipfile.ZipFile(wheel) as z:
+    names = {n for n in z.namelist() if n.endswith(".py")}
+    z.extractall(tmp_path / "site")
+  want = {str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py")}
+  want |= {f"stabledrl_jax/configs/{p.name}" for p in (ROOT / "configs").glob("*.py")}
+  assert names == want
+  for p in (ROOT / "configs").glob("*.py"):
+    assert (tmp_path / "site" / "stabledrl_jax" / "configs" / p.name).read_text() == p.read_text()
+  out = subprocess.run([sys.executable, "-c", "from stabledrl_jax import config_lib; "
+                        "print(config_lib.resolve_config_arg('configs/sdar.py:smoke'))"],
+                       cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path / "site")},
+                       capture_output=True, text=True, timeout=120, check=True)
+  assert out.stdout.strip() == f"{tmp_path / 'site' / 'stabledrl_jax' / 'configs' / 'sdar.py'}:smoke"

@@ -10,7 +10,7 @@ import pytest
 
 from stabledrl_jax import config_lib
 
-CONFIGS = Path(__file__).resolve().parents[1] / "stabledrl_jax" / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 # key -> the official run's value (8 processes x 4 micro-batches x 1 prompt = 32 groups per step).
 OFFICIAL = {

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from stabledrl_jax import config_lib, models, optim, rl, train
+from stabledrl_jax import build, config_lib, models, optim, rl, samplers, train
 from stabledrl_jax.tasks.tokenizer import SPECIAL_TOKENS, CharTokenizer
 from tests.train_test import TIMING, _params
 
@@ -28,7 +28,7 @@ def config(**rl_changes):
   c.rl.prompts_per_step, c.rl.group_size, c.rl.updates_per_batch = P, G, 1
   c.sampler.gen_length, c.sampler.steps, c.task.max_prompt_len = 8, 2, PROMPT
   c.rl.update(rl_changes)
-  config_lib.validate(c)
+  build.settings(c)
   return c
 
 
@@ -71,7 +71,7 @@ def start():
 
 def run_step(start, c, data, key=jax.random.key(7)):
   model, opt = train.copy_module(start[0]), train.copy_module(start[1])
-  result = rl.step(c, config_lib.settings(c), data, model, None, opt, key)
+  result = rl.step(rl.Settings.from_config(c), data, model, None, opt, key)
   return result, _params(model)
 
 
@@ -90,15 +90,15 @@ def test_kept_groups_have_signal_and_are_the_drawn_rollouts(start):
   flat = lambda d, i: (d, i) in {(0, 0), (1, 0), (1, 1)}
   c, key = config(filter_zero_advantage=True, max_prompt_draws=4), jax.random.key(3)
   data = fake_data(flat)
-  sampled = rl.dynamic_sample(c, config_lib.settings(c), data, start[0], next(data.rl), key)
+  s = rl.Settings.from_config(c)
+  sampled = rl.dynamic_sample(s, data, start[0], next(data.rl), key)
   assert data.drawn == 3 and sampled.record == {"groups_drawn": 6, "groups_kept": 2,
                                                 "prompt_draws": 3}
   assert np.all(rl.has_signal(sampled.rewards_B, G))
   # Rows 0-3 are draw 0's group 1 and rows 4-7 draw 2's group 0, each under its draw's key.
-  s = config_lib.settings(c)
   for rows, d, group in ((slice(0, G), 0, 1), (slice(G, 2 * G), 2, 0)):
     batch = prompts(d, [None] * P)
-    want = rl.generate(start[0], np.repeat(batch["prompt_ids_BxP"], G, axis=0),
+    want = samplers.generate(start[0], np.repeat(batch["prompt_ids_BxP"], G, axis=0),
                        np.repeat(batch["prompt_mask_BxP"], G, axis=0),
                        jax.random.fold_in(key, d) if d else key, s.sampling)
     for got_x, want_x in zip(sampled.rollout, want):
@@ -150,5 +150,5 @@ def test_bad_bound_and_several_processes_are_one_line_errors(monkeypatch):
   c, data = config(filter_zero_advantage=True), fake_data(lambda d, i: False)
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   with pytest.raises(ValueError, match=r"config\.rl\.filter_zero_advantage=True: .* one process"):
-    rl.step(c, config_lib.settings(c), data, None, None, None, jax.random.key(0))
+    rl.step(rl.Settings.from_config(c), data, None, None, None, jax.random.key(0))
   assert data.drawn == 0

@@ -1,5 +1,4 @@
 """Tests for stabledrl_jax.rl on a real (tiny, briefly trained) model: the adversarial mode."""
-import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,14 +6,9 @@ import optax
 import pytest
 from flax import nnx
 
-from stabledrl_jax import config_lib, likelihood, losses, models, rl, sft
+from stabledrl_jax import likelihood, losses, models, rl, rollouts, sft
 
 V, PROMPT, N = 24, 2, 10
-
-
-def objective(**changes) -> rl.Objective:
-  """The default config's objective (`config_lib.settings`) with `changes`."""
-  return dataclasses.replace(config_lib.settings(config_lib.base_config("sdar")).objective, **changes)
 
 
 def _counting_batch(rng, b):
@@ -25,7 +19,7 @@ def _counting_batch(rng, b):
   tokens = np.concatenate([rng.integers(4, V, size=(b, PROMPT)), completion_tokens], 1)
   t = PROMPT + N
   completion = np.broadcast_to(np.arange(t) >= PROMPT, (b, t))
-  return likelihood.Sequences(jnp.asarray(tokens, jnp.int32), jnp.broadcast_to(jnp.arange(t), (b, t)),
+  return rollouts.Sequences(jnp.asarray(tokens, jnp.int32), jnp.broadcast_to(jnp.arange(t), (b, t)),
                               jnp.ones((b, t), bool), jnp.asarray(~completion),
                               jnp.asarray(completion), jnp.asarray(completion))
 
@@ -48,7 +42,8 @@ def counting_model():
 
 
 @pytest.mark.slow
-def test_adversarial_mode_stabledrl_stays_in_the_convex_hull_bound_grpo_explodes(counting_model):
+def test_adversarial_mode_stabledrl_stays_in_the_convex_hull_bound_grpo_explodes(counting_model,
+                                                                                 objective):
   model = counting_model
   seqs = _counting_batch(np.random.default_rng(1), 8)
   adv = jnp.array([1.0, -1.0, 0.5, -0.5, -1.0, 1.0, -0.3, 0.3])
@@ -90,7 +85,7 @@ def test_adversarial_mode_stabledrl_stays_in_the_convex_hull_bound_grpo_explodes
   assert grad_norm(lambda m: rl.policy_loss(m, batch, jax.random.key(0), plain)[0]) > 1e4 * bound
 
 
-def test_adversarial_rows_use_hard_old_and_easy_new_masks(counting_model):
+def test_adversarial_rows_use_hard_old_and_easy_new_masks(counting_model, objective):
   seqs = _counting_batch(np.random.default_rng(2), 8)
   obj = objective(name="stabledrl", group_size=4, scheme="block_random", num_samples=2,
                   block_size=N, staircase=False, adversarial=0.5)

@@ -17,7 +17,7 @@ import optax
 import pytest
 from flax import nnx
 
-from stabledrl_jax import config_lib, likelihood, losses, models, optim, rl, sft, train
+from stabledrl_jax import config_lib, likelihood, losses, models, optim, rl, rollouts, sft, train
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
@@ -32,8 +32,8 @@ LR, B1, B2, WD = 1e-2, 0.9, 0.99, 0.1
 
 def _model(family, seed):
   if family == "llada":
-    cfg = models.tiny(family="llada", model_type="llada", n_kv_heads=4, qk_norm=False,
-                      block_size=None, rope_theta=500000.0, norm_eps=1e-5)
+    cfg = models.tiny(**models.family_options("llada"), n_kv_heads=4, rope_theta=500000.0,
+                      norm_eps=1e-5)
   else:
     cfg = models.tiny()
   return models.create(cfg, seed=seed)
@@ -59,7 +59,7 @@ def _seqs(seed):
   tokens = np.where(completion & ~counted, 1, tokens)  # end-of-sequence padding after the answer
   tokens[np.arange(B), P + lengths - 1] = 1            # the first EOS, counted
   as_j = lambda x: jnp.asarray(np.ascontiguousarray(x))
-  return likelihood.Sequences(as_j(tokens), as_j(np.broadcast_to(pos, (B, T))),
+  return rollouts.Sequences(as_j(tokens), as_j(np.broadcast_to(pos, (B, T))),
                               as_j(np.ones((B, T), bool)), as_j(~completion), as_j(completion),
                               as_j(counted))
 
@@ -184,7 +184,7 @@ def _t_loss(name, lp_new, lp_old, w_new, w_old, noised_new, noised_old, counted,
     tok_new = (lp_new * nn_).sum(1) / nn_.sum(1).clamp(min=1)
     tok_old = (lp_old * no_).sum(1) / no_.sum(1).clamp(min=1)
     ratio = torch.exp(tok_new - tok_old)
-    eps = obj.ppo_epsilon
+    eps = obj.epsilon
     per_tok = -torch.minimum(ratio * adv[:, None], ratio.clamp(1 - eps, 1 + eps) * adv[:, None])
     keep = _t(counted, torch.bool) & (nn_.sum(1) > 0)
     per_seq = (per_tok * keep).sum(-1) / keep.sum(-1).clamp(min=1)
@@ -256,14 +256,14 @@ def test_one_rl_update_matches_torch_autograd(family):
   rewards[:G] = [1, 0, 0, 1]  # both groups carry signal
   adv = losses.group_advantages(jnp.asarray(rewards, jnp.float32), group_size=G)
   base = dataclasses.replace(  # the default config's objective, then this test's shapes
-      config_lib.settings(config_lib.base_config("sdar")).objective, group_size=G,
+      rl.Objective.from_config(config_lib.base_config("sdar")), group_size=G,
       scheme="block_random" if family == "llada" else "block_t", num_samples=2,
       p_mask_prompt=0.5 if family == "llada" else 0.0, block_size=BS, staircase=family == "sdar")
   objectives = {
       "stabledrl": dataclasses.replace(base, name="stabledrl", epsilon=0.02),
       "stabledrl_spg": dataclasses.replace(base, name="stabledrl_spg", coupling="independent",
                                            max_ratio=1.02),
-      "grpo": dataclasses.replace(base, name="grpo", ppo_epsilon=0.1),
+      "grpo": dataclasses.replace(base, name="grpo", epsilon=0.1),
   }
   for seed, (name, obj) in enumerate(objectives.items()):
     k_old, k_new = jax.random.split(jax.random.key(10 + seed))

@@ -11,7 +11,7 @@ import optax
 import pytest
 from flax import nnx
 
-from stabledrl_jax import config_lib, likelihood, models, optim, rl, sharding
+from stabledrl_jax import config_lib, models, optim, rl, rollouts, sharding
 
 OPTIONS = {
     "remat_dots": dict(remat=True, remat_policy="dots"),
@@ -31,14 +31,14 @@ def one_rl_step(tx=None, offload=False, **options):
   opt = nnx.Optimizer(model, tx or optax.chain(optax.sgd(1.0)), wrt=nnx.Param)
   if offload:
     optim.offload(opt)
-  obj = dataclasses.replace(config_lib.settings(config_lib.base_config("sdar")).objective,
+  obj = dataclasses.replace(rl.Objective.from_config(config_lib.base_config("sdar")),
                             group_size=2, scheme="block_t", num_samples=2, block_size=4,
                             staircase=True)
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(4, 40, size=(4, 12)), jnp.int32)
   completion = jnp.broadcast_to(jnp.arange(12) >= 4, (4, 12))
   valid = jnp.asarray(np.arange(12)[None] >= np.array([[0], [0], [2], [3]]))  # left padding
-  seqs = likelihood.Sequences(tokens, jnp.broadcast_to(jnp.arange(12), (4, 12)), valid,
+  seqs = rollouts.Sequences(tokens, jnp.broadcast_to(jnp.arange(12), (4, 12)), valid,
                               ~completion & valid, completion, completion)
   seqs = sharding.shard_batch(seqs, mesh)
   batch, _ = rl.behaviour_pass(model, None, seqs, jnp.array([1.0, -1.0, 0.5, -0.5]),

@@ -5,20 +5,23 @@ positions, GQA attention, SwiGLU), a KV cache stored per slot, the prefix cache 
 start, the dual cache updated in place at the block's slots, and Fast-dLLM's commit rule (the
 most confident token, plus every token at or above the threshold).
 """
+import dataclasses
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from stabledrl_jax import config_lib, models, samplers
+from stabledrl_jax import build, config_lib, models, rollouts, samplers
 
 MASK = 127
 
 
 def _llada(n_layers=2, seed=3, sharpen=1.0):
-  m = models.create(models.tiny(family="llada", model_type="llada", qk_norm=False, n_kv_heads=2,
-                                n_layers=n_layers, block_size=None), seed=seed)
+  m = models.create(models.tiny(**models.family_options("llada"), n_kv_heads=2,
+                                n_layers=n_layers), seed=seed)
   if sharpen != 1.0:  # peaked distributions: confidences spread over (0, 1), thresholds bite
     m.head.kernel[...] = m.head.kernel[...] * sharpen
   return m
@@ -160,9 +163,17 @@ def fast_dllm_reference(model, ids, valid, key, *, gen_length, block_length, ste
   return x[:, p:], forwards
 
 
+EXACT = rollouts.LLaDASampling.from_config(config_lib.base_config("llada").sampler, 0.0)
+
+
+def sampling(**kw) -> rollouts.LLaDASampling:
+  """The default config's LLaDA settings (greedy) with `kw`; threshold None = off."""
+  return dataclasses.replace(EXACT, **{**kw, "threshold": kw.get("threshold") or 0.0})
+
+
 def run(model, prompts, key=0, **kw):
   ids, valid = left_pad(prompts)
-  s = samplers.LLaDASampling(stop_ids=(1000,), **kw)
+  s = sampling(stop_ids=(1000,), **kw)
   return samplers.llada_generate(model, ids, valid, jax.random.key(key), s)
 
 
@@ -207,7 +218,7 @@ def test_one_layer_model_every_cache_equals_the_exact_sampler(temperature):
     np.testing.assert_array_equal(got.commit_step_BxL, exact.commit_step_BxL)
 
 
-def test_threshold_one_is_the_schedule_and_zero_commits_a_block_per_step():
+def test_threshold_one_is_the_schedule_and_a_tiny_one_commits_a_block_per_step():
   m = _llada()  # unsharpened: no confidence reaches 1
   kw = dict(gen_length=12, block_length=6, steps=8)
   exact = run(m, PROMPTS, **kw)
@@ -216,7 +227,7 @@ def test_threshold_one_is_the_schedule_and_zero_commits_a_block_per_step():
   np.testing.assert_array_equal(one.completion_BxC, exact.completion_BxC)
   np.testing.assert_array_equal(one.commit_step_BxL, exact.commit_step_BxL)
   for cache in ("none", "dual"):
-    zero = run(m, PROMPTS, cache=cache, threshold=0.0, **kw)
+    zero = run(m, PROMPTS, cache=cache, threshold=1e-6, **kw)  # 0 is off
     when = np.asarray(zero.commit_step_BxL)[:, 5:]
     np.testing.assert_array_equal(when, np.repeat([[0] * 6 + [4] * 6], 3, axis=0))
     assert (np.asarray(zero.forwards_B) == 2).all()
@@ -256,52 +267,47 @@ def test_forward_counts_of_the_exact_and_prefix_samplers(model):
 
 def test_bad_settings_name_the_value():
   with pytest.raises(ValueError, match="'bogus'"):
-    samplers.LLaDASampling(gen_length=8, block_length=4, steps=4, cache="bogus")
+    sampling(gen_length=8, block_length=4, steps=4, cache="bogus")
   with pytest.raises(ValueError, match="threshold=1.5"):
-    samplers.LLaDASampling(gen_length=8, block_length=4, steps=4, threshold=1.5)
+    sampling(gen_length=8, block_length=4, steps=4, threshold=1.5)
 
 
-def test_config_keys_reach_rollouts_only_and_bad_values_are_named():
-  from stabledrl_jax import config_lib, train
+def test_config_keys_reach_rollouts_and_evaluation_only_when_asked_and_bad_values_are_named():
   c = config_lib.base_config("llada")
   c.sampler.cache, c.sampler.threshold = "dual", 0.9
-  config_lib.validate(c)
-  roll = config_lib.sampling(c, 0.7)
-  assert (roll.cache, roll.threshold) == ("dual", 0.9)
-  evaluation = config_lib.sampling(c, 0.0, rollout=False)
-  assert (evaluation.cache, evaluation.threshold) == ("none", None)
-  c.sampler.threshold = 0.0
-  assert config_lib.sampling(c, 0.7).threshold is None  # 0 = off
+  s = build.settings(c)
+  assert (s.rl.sampling.cache, s.rl.sampling.threshold) == ("dual", 0.9)
+  assert s.rl.sampling.fast and s.rl.sampling.label == "llada cache=dual threshold=0.9"
+  assert (s.eval_sampling.cache, s.eval_sampling.threshold) == ("none", 0.0)
+  assert s.eval_sampling.label == "llada exact"
+  c.eval.fast = True
+  assert build.settings(c).eval_sampling.cache == "dual"
   for key, value in (("cache", "bogus"), ("threshold", 1.5)):
     c = config_lib.base_config("llada")
     c.sampler[key] = value
     with pytest.raises(ValueError, match=f"config.sampler.{key}={value!r}"):
-      config_lib.validate(c)
+      build.settings(c)
   c = config_lib.base_config("sdar")
   c.sampler.cache = "prefix"
   with pytest.raises(ValueError, match="config.sampler.cache='prefix'"):
-    config_lib.validate(c)
+    build.settings(c)
 
 
 def test_rollout_record_names_the_sampler_and_counts_forwards(model):
-  import time
-  from stabledrl_jax import llada_cached
-  s = samplers.LLaDASampling(gen_length=8, block_length=4, steps=4, cache="prefix",
-                             stop_ids=(1000,))
+  s = sampling(gen_length=8, block_length=4, steps=4, cache="prefix", stop_ids=(1000,))
   started = time.perf_counter()
   r = samplers.llada_generate(model, *left_pad(PROMPTS), jax.random.key(0), s)
-  rec = llada_cached.rollout_record(s, r, started)
-  assert rec["rollout_sampler"] == "llada cache=prefix threshold=None"
+  rec = samplers.rollout_record(s, r, started)
+  assert rec["rollout_sampler"] == "llada cache=prefix threshold=0.0"
   assert rec["rollout_forwards"] == float(np.asarray(r.forwards_B)[0])
   assert rec["rollout_tokens_per_s"] > 0
-  assert llada_cached.sampler_label(samplers.LLaDASampling(gen_length=8, block_length=4,
-                                                            steps=4)) == "llada exact"
+  assert sampling(gen_length=8, block_length=4, steps=4).label == "llada exact"
 
 
 def test_cached_decoding_runs_sharded_over_the_batch(model):
   ids, valid = left_pad([[5 + i, 6, 7 + i % 3][: 1 + i % 3] for i in range(8)])
-  s = samplers.LLaDASampling(gen_length=8, block_length=4, steps=4, cache="dual", threshold=0.6,
-                             stop_ids=(1000,))
+  s = sampling(gen_length=8, block_length=4, steps=4, cache="dual", threshold=0.6,
+               stop_ids=(1000,))
   over_rows = jax.sharding.NamedSharding(
       jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,)),
       jax.sharding.PartitionSpec("data"))

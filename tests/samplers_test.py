@@ -11,8 +11,7 @@ MASK = 127
 
 @pytest.fixture(scope="module")
 def llada_model():
-  return models.create(models.tiny(family="llada", model_type="llada", qk_norm=False,
-                                   n_kv_heads=4, block_size=None), seed=3)
+  return models.create(models.tiny(**models.family_options("llada"), n_kv_heads=4), seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -105,29 +104,29 @@ def llada_reference(model, ids, valid, key, *, gen_length, block_length, steps, 
                                                         (0.9, "low_confidence", 0.0),
                                                         (0.7, "random", 0.0),
                                                         (0.0, "low_confidence", 1.5)])
-def test_llada_matches_reference_loop(llada_model, temperature, remasking, cfg):
+def test_llada_matches_reference_loop(llada_model, llada_sampling, temperature, remasking, cfg):
   ids, valid = left_pad([[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]])
   kw = dict(gen_length=16, block_length=8, steps=8, temperature=temperature, remasking=remasking)
   key = jax.random.key(1)
   want = llada_reference(llada_model, ids, valid, key, cfg_scale=cfg, **kw)
   got = samplers.llada_generate(llada_model, ids, valid, key,
-                                samplers.LLaDASampling(cfg_scale=cfg, stop_ids=(1000,), **kw))
+                                llada_sampling(cfg_scale=cfg, stop_ids=(1000,), **kw))
   np.testing.assert_array_equal(got.completion_BxC, want)
   assert not (np.asarray(got.completion_BxC) == MASK).any()
 
 
-def test_llada_row_alone_equals_row_in_padded_batch(llada_model):
+def test_llada_row_alone_equals_row_in_padded_batch(llada_model, llada_sampling):
   prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 3, 4], [13]]
-  s = samplers.LLaDASampling(gen_length=16, block_length=4, steps=8)
+  s = llada_sampling(gen_length=16, block_length=4, steps=8)
   batch = samplers.llada_generate(llada_model, *left_pad(prompts), jax.random.key(0), s)
   for i, pr in enumerate(prompts):
     alone = samplers.llada_generate(llada_model, *left_pad([pr]), jax.random.key(0), s)
     np.testing.assert_array_equal(alone.completion_BxC[0], batch.completion_BxC[i])
 
 
-def test_llada_commit_counts_follow_schedule(llada_model):
+def test_llada_commit_counts_follow_schedule(llada_model, llada_sampling):
   ids, valid = left_pad([[5, 6, 7], [8, 9]])
-  s = samplers.LLaDASampling(gen_length=24, block_length=12, steps=10, temperature=0.5)
+  s = llada_sampling(gen_length=24, block_length=12, steps=10, temperature=0.5)
   r = samplers.llada_generate(llada_model, ids, valid, jax.random.key(2), s)
   when = np.asarray(r.commit_step_BxL)[:, ids.shape[1]:]
   want = schedule(12, 5) * 2  # 12 masks per block over 5 steps: 3, 3, 2, 2, 2
@@ -139,13 +138,13 @@ def test_llada_commit_counts_follow_schedule(llada_model):
       assert np.all(np.nonzero(row == st)[0] // 12 == st // 5)
 
 
-def test_llada_stop_truncation(llada_model):
+def test_llada_stop_truncation(llada_model, llada_sampling):
   ids, valid = left_pad([[5, 6, 7], [8, 9, 10]])
-  s = samplers.LLaDASampling(gen_length=16, block_length=8, steps=8, stop_ids=(1000,))
+  s = llada_sampling(gen_length=16, block_length=8, steps=8, stop_ids=(1000,))
   free = np.asarray(samplers.llada_generate(llada_model, ids, valid, jax.random.key(0), s).completion_BxC)
   stop = int(free[0, 5])  # a token this model really emits mid-completion
   r = samplers.llada_generate(llada_model, ids, valid, jax.random.key(0),
-                              samplers.LLaDASampling(gen_length=16, block_length=8, steps=8,
+                              llada_sampling(gen_length=16, block_length=8, steps=8,
                                                      stop_ids=(stop,), pad_id=0))
   for row_free, row, n, mask in zip(free, np.asarray(r.completion_BxC), np.asarray(r.lengths_B),
                                     np.asarray(r.completion_mask_BxC)):
@@ -155,11 +154,11 @@ def test_llada_stop_truncation(llada_model):
     assert (row[length:] == 0).all()
 
 
-def test_llada_bad_settings_name_the_value():
+def test_llada_bad_settings_name_the_value(llada_sampling):
   with pytest.raises(ValueError, match="block_length=5"):
-    samplers.LLaDASampling(gen_length=16, block_length=5)
+    llada_sampling(gen_length=16, block_length=5)
   with pytest.raises(ValueError, match="steps=3"):
-    samplers.LLaDASampling(gen_length=16, block_length=4, steps=3)
+    llada_sampling(gen_length=16, block_length=4, steps=3)
 
 
 # ----------------------------------------------------------------------------- SDAR
@@ -194,15 +193,17 @@ def sdar_reference_row(model, prompt, *, gen_length, steps, bs, stops, strategy=
 
 @pytest.mark.parametrize("use_cache", [True, False])
 @pytest.mark.parametrize("strategy", ["low_confidence_static", "low_confidence_dynamic"])
-def test_sdar_greedy_matches_reference_row_by_row_in_a_padded_batch(sdar_model, use_cache, strategy):
+def test_sdar_greedy_matches_reference_row_by_row_in_a_padded_batch(sdar_model, sdar_sampling,
+                                                                    use_cache, strategy):
   prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20, 21], [22]]
   bs = sdar_model.config.block_size
-  kw = dict(gen_length=14, steps=3, strategy=strategy, threshold=0.02, use_cache=use_cache)
+  threshold = 0.02 if strategy == "low_confidence_dynamic" else 0.0
+  kw = dict(gen_length=14, steps=3, strategy=strategy, threshold=threshold, use_cache=use_cache)
   free = samplers.sdar_generate(sdar_model, *left_pad(prompts), jax.random.key(0),
-                                samplers.SDARSampling(stop_ids=(1000,), **kw))
+                                sdar_sampling(stop_ids=(1000,), **kw))
   stop = int(np.asarray(free.completion_BxC)[1, 6])  # forces an early stop in some rows
   r = samplers.sdar_generate(sdar_model, *left_pad(prompts), jax.random.key(0),
-                             samplers.SDARSampling(stop_ids=(stop,), pad_id=0, **kw))
+                             sdar_sampling(stop_ids=(stop,), pad_id=0, **kw))
   stopped_early = 0
   for i, pr in enumerate(prompts):
     want, length = sdar_reference_row(sdar_model, pr, gen_length=14, steps=3, bs=bs, stops=(stop,),
@@ -214,20 +215,20 @@ def test_sdar_greedy_matches_reference_row_by_row_in_a_padded_batch(sdar_model, 
   assert stopped_early >= 1
 
 
-def test_sdar_cache_and_recompute_agree_when_sampling(sdar_model):
+def test_sdar_cache_and_recompute_agree_when_sampling(sdar_model, sdar_sampling):
   ids, valid = left_pad([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]])
   outs = []
   for use_cache in (True, False):
-    s = samplers.SDARSampling(gen_length=16, steps=4, temperature=1.0, top_k=50, top_p=0.9,
+    s = sdar_sampling(gen_length=16, steps=4, temperature=1.0, top_k=50, top_p=0.9,
                               use_cache=use_cache, stop_ids=(1000,))
     outs.append(np.asarray(samplers.sdar_generate(sdar_model, ids, valid, jax.random.key(9), s).tokens_BxL))
   np.testing.assert_array_equal(outs[0], outs[1])
 
 
-def test_sdar_sampling_matches_reference_with_the_same_draws(sdar_model):
+def test_sdar_sampling_matches_reference_with_the_same_draws(sdar_model, sdar_sampling):
   ids, valid = left_pad([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]])
   key, temp, top_k, bs, steps = jax.random.key(5), 0.8, 20, 4, 2
-  s = samplers.SDARSampling(gen_length=11, steps=steps, temperature=temp, top_k=top_k, stop_ids=(1000,))
+  s = sdar_sampling(gen_length=11, steps=steps, temperature=temp, top_k=top_k, stop_ids=(1000,))
   got = np.asarray(samplers.sdar_generate(sdar_model, ids, valid, key, s).completion_BxC)
   x = np.concatenate([np.asarray(ids), np.full((2, 11), MASK)], 1)
   n_step = 0
@@ -253,19 +254,19 @@ def test_sdar_sampling_matches_reference_with_the_same_draws(sdar_model):
   np.testing.assert_array_equal(got, x[:, 5:])
 
 
-def test_sdar_commit_counts_follow_schedule(sdar_model):
+def test_sdar_commit_counts_follow_schedule(sdar_model, sdar_sampling):
   ids, valid = left_pad([[5, 6, 7, 8], [9, 10, 11, 12]])
-  s = samplers.SDARSampling(gen_length=12, steps=3, temperature=1.0, stop_ids=(1000,))
+  s = sdar_sampling(gen_length=12, steps=3, temperature=1.0, stop_ids=(1000,))
   r = samplers.sdar_generate(sdar_model, ids, valid, jax.random.key(2), s)
   when = np.asarray(r.commit_step_BxL)[:, 4:16]
   for row in when:  # 3 blocks of 4 masks over 3 steps each: 2, 1, 1
     np.testing.assert_array_equal([int((row == st).sum()) for st in range(9)], [2, 1, 1] * 3)
 
 
-def test_samplers_run_sharded_over_the_batch(sdar_model):
+def test_samplers_run_sharded_over_the_batch(sdar_model, sdar_sampling):
   prompts = [[5 + i, 6, 7 + i % 3][: 1 + i % 3] for i in range(8)]
   ids, valid = left_pad(prompts)
-  s = samplers.SDARSampling(gen_length=8, steps=2, stop_ids=(1000,))
+  s = sdar_sampling(gen_length=8, steps=2, stop_ids=(1000,))
   plain = samplers.sdar_generate(sdar_model, ids, valid, jax.random.key(0), s)
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))

@@ -9,12 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
-from stabledrl_jax import build, config_lib, likelihood, models, rl, sharding, train
-
-
-def objective(**changes) -> rl.Objective:
-  """The default config's objective (`config_lib.settings`) with `changes`."""
-  return dataclasses.replace(config_lib.settings(config_lib.base_config("sdar")).objective, **changes)
+from stabledrl_jax import build, config_lib, models, rl, rollouts, samplers, sharding, train
 
 
 def test_mesh_shape_resolves_minus_one_and_names_bad_axes():
@@ -80,9 +75,9 @@ def test_rollouts_on_another_mesh_decode_the_same_and_come_back_on_the_training_
   model = build.model(c, tok, mesh)
   rng = np.random.default_rng(0)
   ids = rng.integers(5, tok.vocab_size, size=(8, 6)).astype(np.int32)
-  sampling = config_lib.sampling(c, temperature=1.0)
-  plain = rl.generate(model, ids, np.ones_like(ids, bool), jax.random.key(3), sampling)
-  other = rl.generate(model, ids, np.ones_like(ids, bool), jax.random.key(3), sampling,
+  sampling = rollouts.sampling_from_config(c, temperature=1.0)
+  plain = samplers.generate(model, ids, np.ones_like(ids, bool), jax.random.key(3), sampling)
+  other = samplers.generate(model, ids, np.ones_like(ids, bool), jax.random.key(3), sampling,
                          rollout_mesh=decode_mesh)
   np.testing.assert_array_equal(other.tokens_BxL, plain.tokens_BxL)
   assert other.tokens_BxL.sharding.mesh == mesh
@@ -100,8 +95,8 @@ def _tiny_setup():
   b, p, g = 16, 8, c.sampler.gen_length
   prompts = jnp.asarray(rng.integers(5, tok.vocab_size, size=(b, p)), jnp.int32)
   completions = jnp.asarray(rng.integers(5, tok.vocab_size, size=(b, g)), jnp.int32)
-  seqs = likelihood.teacher_forced(prompts, jnp.ones((b, p), bool), completions, family="sdar",
-                                   block_size=c.model.block_size, mask_id=tok.mask_id)
+  seqs = rollouts.teacher_forced(prompts, jnp.ones((b, p), bool), completions, family="sdar",
+                                 block_size=c.sampler.block_length, mask_id=tok.mask_id)
   adv = jnp.asarray(rng.normal(size=b), jnp.float32)
   return c, model, seqs, adv
 
@@ -114,8 +109,8 @@ def _one_step(c, model, seqs, adv, mesh):
   # Plain SGD: the update is linear in the gradient, so parameters compare to float tolerance
   # (Adam's first step, g/|g|, would turn rounding in near-zero gradients into whole steps).
   opt = nnx.Optimizer(model, optax.chain(optax.sgd(1.0)), wrt=nnx.Param)
-  obj = objective(group_size=8, scheme="block_t", num_samples=2, block_size=c.model.block_size,
-                     staircase=True)
+  obj = rl.Objective.from_config(c)
+  obj = dataclasses.replace(obj, group_size=8, scheme="block_t", num_samples=2)
   batch, _ = rl.behaviour_pass(model, None, seqs, adv, jax.random.key(1), obj)
   out = rl.update(model, opt, batch, jax.random.key(2), obj=obj, accumulation=2)
   params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
@@ -150,7 +145,7 @@ def test_each_device_attends_over_its_share_of_a_micro_batch(accumulation):
   model = aot.abstract_model(cfg, mesh)
   opt = aot.abstract_optimizer(model, optim.make_optimizer(1e-3, 0, 10, c.optim), mesh)
   batch = aot.rl_batch_shapes(c, cfg, mesh)
-  obj = dataclasses.replace(config_lib.settings(c).objective, block_size=cfg.block_size)
+  obj = rl.Objective.from_config(c)
   key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype)
   hlo = rl.update.lower(model, opt, batch, key, obj=obj, accumulation=accumulation).compile().as_text()
   rows = batch.seqs.tokens_BxL.shape[0] * c.rl.num_samples // accumulation  # sequences per micro-batch

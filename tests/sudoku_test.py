@@ -89,7 +89,7 @@ def test_unfilled_demonstration_leaves_blanks_empty_at_the_given_rate():
   blanks = [i for i, ch in enumerate(EX["puzzle"]) if ch == "0"]
   empty = 0
   for _ in range(2000):
-    text = sudoku.unfilled_demonstration(EX, 0.3, rng)
+    text = sudoku.unfilled_demonstration(EX, rng, 0.3)
     assert text.startswith("<answer>") and text.endswith("</answer>")
     answer = text[len("<answer>"):-len("</answer>")]
     for i, (a, p, s) in enumerate(zip(answer, EX["puzzle"], EX["solution"])):
@@ -98,8 +98,8 @@ def test_unfilled_demonstration_leaves_blanks_empty_at_the_given_rate():
     empty += sum(answer[i] == "0" for i in blanks)
   # 16000 Bernoulli(0.3) draws: the binomial standard deviation of the rate is 0.0036.
   assert abs(empty / (2000 * len(blanks)) - 0.3) < 0.015
-  assert sudoku.unfilled_demonstration(EX, 0.0, rng) == sudoku.reference_completion(EX)
-  assert sudoku.unfilled_demonstration(EX, 1.0, rng) == f"<answer>{EX['puzzle']}</answer>"
-  assert sudoku.correctness(sudoku.unfilled_demonstration(EX, 1.0, rng), EX) == 0.0
+  assert sudoku.unfilled_demonstration(EX, rng, 0.0) == sudoku.reference_completion(EX)
+  assert sudoku.unfilled_demonstration(EX, rng, 1.0) == f"<answer>{EX['puzzle']}</answer>"
+  assert sudoku.correctness(sudoku.unfilled_demonstration(EX, rng, 1.0), EX) == 0.0
   with pytest.raises(ValueError, match="1.5"):
-    sudoku.unfilled_demonstration(EX, 1.5, rng)
+    sudoku.unfilled_demonstration(EX, rng, 1.5)

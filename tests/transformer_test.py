@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from stabledrl_jax import models
+from stabledrl_jax import models, samplers
 
 B_SIZE = 4  # block size used throughout
 
@@ -74,8 +74,8 @@ def sdar():
 
 @pytest.fixture(scope="module")
 def llada():
-  cfg = models.tiny(family="llada", model_type="llada", n_kv_heads=4, qk_norm=False,
-                    block_size=None, rope_theta=500000.0, norm_eps=1e-5)
+  cfg = models.tiny(**models.family_options("llada"), n_kv_heads=4, rope_theta=500000.0,
+                    norm_eps=1e-5)
   return models.create(cfg, seed=2)
 
 
@@ -198,12 +198,11 @@ def test_remat_gives_the_same_gradients():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
-def test_remat_models_sample_like_plain_ones():
+def test_remat_models_sample_like_plain_ones(sdar_sampling, llada_sampling):
   # The 8B presets remat; their samplers run the model inside lax loops.
-  from stabledrl_jax import samplers
   prompt, valid = _ids(7, (2, 6)), jnp.ones((2, 6), bool)
-  for sampling, gen in ((samplers.SDARSampling(gen_length=8, steps=2), samplers.sdar_generate),
-                        (samplers.LLaDASampling(gen_length=8, block_length=4, steps=4),
+  for sampling, gen in ((sdar_sampling(gen_length=8, steps=2), samplers.sdar_generate),
+                        (llada_sampling(gen_length=8, block_length=4, steps=4),
                          samplers.llada_generate)):
     outs = [gen(models.create(models.tiny(remat=r), seed=3), prompt, valid, jax.random.key(0),
                 sampling).tokens_BxL for r in (False, True)]

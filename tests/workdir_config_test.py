@@ -16,3 +16,15 @@ def test_keys_added_since_the_run_take_their_defaults_and_recorded_values_stay(t
   assert got.task.reward_weights.to_dict() == {"correctness": 2.0}
   assert set(got.to_dict()) == set(c.to_dict())
   config_lib.validate(got)
+
+
+def test_keys_moved_or_removed_since_are_upgraded(tmp_path):
+  record = config_lib.base_config("sdar").to_dict()
+  record["model"]["block_size"] = 8          # before sampler.block_length held SDAR's block
+  del record["sampler"]["block_length"]
+  record["controls"]["clip_low"] = 0.1       # before the one clip band in stability
+  (tmp_path / "config.json").write_text(json.dumps(record))
+  got = workdir_config.get_config(str(tmp_path))
+  assert got.sampler.block_length == 8 and "block_size" not in got.model
+  assert "clip_low" not in got.controls
+  assert set(got.to_dict()) == set(config_lib.base_config("sdar").to_dict())

@@ -1,10 +1,10 @@
-"""Models: one NNX transformer for LLaDA and SDAR, attention masks, Hugging Face checkpoints."""
+"""Models: one NNX transformer for LLaDA, SDAR and Dream, attention masks, Hugging Face checkpoints."""
 from stabledrl_jax.models.attention import (attention_mask, block_causal_mask, block_ids,
                                             full_mask, staircase_mask)
-from stabledrl_jax.models.config import (PRESETS, ModelConfig, bench_100m, llada_8b, preset,
-                                         replace, runtime_options, sdar_1p7b, sdar_4b,
-                                         sdar_8b, tiny)
-from stabledrl_jax.models.transformer import KVCache, Transformer, create
-from stabledrl_jax.models.checkpoint import (CheckpointError, config_from_hf, config_to_hf,
+from stabledrl_jax.models.config import (PRESETS, ModelConfig, bench_100m, dream_7b,
+                                         family_options, llada_8b, preset, replace,
+                                         runtime_options, sdar_1p7b, sdar_4b, sdar_8b, tiny)
+from stabledrl_jax.models.transformer import KVCache, Transformer, create, shift_to_targets
+from stabledrl_jax.models.huggingface import (CheckpointError, config_from_hf, config_to_hf,
                                              export_pretrained, load_pretrained, param_sharding,
                                              weight_specs)

@@ -2,7 +2,9 @@
 import dataclasses
 from typing import Callable
 
-FAMILIES = ("llada", "sdar")
+# "llada": LLaMA-like, full attention. "sdar": Qwen3, block diffusion. "dream": Qwen2.5-like
+# (biases on q/k/v), full attention, shifted prediction (Dream-v0-7B, DiffuCoder-7B).
+FAMILIES = ("llada", "sdar", "dream")
 
 
 # What a rematerialised block saves for the backward pass (`jax.checkpoint_policies`): nothing
@@ -23,7 +25,7 @@ def runtime_options(model_config_dict) -> dict:
 class ModelConfig:
   """Everything the transformer and the checkpoint mapping need; hashable, so jit can close over it."""
 
-  family: str  # "llada" (LLaMA-like, full attention) or "sdar" (Qwen3, block diffusion)
+  family: str  # one of FAMILIES; it also fixes `qkv_bias` and `shifted` (properties below)
   vocab_size: int  # rows of the embedding / columns of the head
   d_model: int
   n_layers: int
@@ -64,12 +66,29 @@ class ModelConfig:
       raise ValueError(f"attention_tile={self.attention_tile} must be >= 1")
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for rotate-half RoPE")
+    if self.family == "dream" and self.qk_norm:
+      raise ValueError("family 'dream' has no q/k norm (Qwen2.5 attention); set qk_norm=False")
+    if self.family == "dream" and self.head_dim * self.n_heads != self.d_model:
+      raise ValueError(f"family 'dream' derives head_dim from d_model / n_heads: head_dim="
+                       f"{self.head_dim} x n_heads={self.n_heads} != d_model={self.d_model}")
+
+  @property
+  def qkv_bias(self) -> bool:
+    """The q, k and v projections add a bias (Qwen2.5, hence Dream); o_proj has none."""
+    return self.family == "dream"
+
+  @property
+  def shifted(self) -> bool:
+    """The trunk's state at slot i predicts token i + 1, as in the autoregressive model Dream
+    was initialised from; the transformer shifts it back so that logits at i predict token i."""
+    return self.family == "dream"
 
   @property
   def num_params(self) -> int:
     """Parameter count of the (untied) model."""
     d, h = self.d_model, self.head_dim
     attn = d * h * (2 * self.n_heads + 2 * self.n_kv_heads) + (2 * h if self.qk_norm else 0)
+    attn += h * (self.n_heads + 2 * self.n_kv_heads) if self.qkv_bias else 0
     block = attn + 3 * d * self.mlp_dim + 2 * d
     return 2 * self.vocab_size * d + self.n_layers * block + d
 
@@ -135,9 +154,34 @@ def sdar_8b(**changes) -> ModelConfig:
   return _sdar(36, 4096, 12288, 32, False, changes)
 
 
+def dream_7b(**changes) -> ModelConfig:
+  """Dream-org/Dream-v0-Instruct-7B (its config.json): Qwen2.5-7B shapes (28 x 3584, GQA 28/4,
+  head 128, MLP 18944, vocab 152064, untied head), mask <|mask|> 151666, end of text 151643 (also
+  pad), and the chat template's end of turn <|im_end|> 151645 as a second stop token."""
+  base = ModelConfig(
+      family="dream", model_type="Dream", vocab_size=152064, d_model=3584, n_layers=28,
+      n_heads=28, n_kv_heads=4, head_dim=128, mlp_dim=18944, rope_theta=1e6, norm_eps=1e-6,
+      qk_norm=False, mask_token_id=151666, eos_token_id=151643, pad_token_id=151643,
+      stop_token_ids=(151643, 151645), block_size=None, tie_word_embeddings=False,
+      max_seq_len=131072)
+  return dataclasses.replace(base, **changes)
+
+
+def family_options(family: str) -> dict:
+  """The architecture fields a family fixes, for building a config of another preset's shapes
+  (e.g. `tiny(**family_options("dream"))`): model_type, q/k norm, and no block for the full
+  attention families (SDAR keeps the preset's block size)."""
+  if family not in FAMILIES:
+    raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
+  return {"llada": dict(family="llada", model_type="llada", qk_norm=False, block_size=None),
+          "sdar": dict(family="sdar", model_type="sdar", qk_norm=True),
+          "dream": dict(family="dream", model_type="Dream", qk_norm=False, block_size=None),
+          }[family]
+
+
 PRESETS: dict[str, Callable[..., ModelConfig]] = {
     "tiny": tiny, "bench_100m": bench_100m, "llada_8b": llada_8b,
-    "sdar_1p7b": sdar_1p7b, "sdar_4b": sdar_4b, "sdar_8b": sdar_8b,
+    "sdar_1p7b": sdar_1p7b, "sdar_4b": sdar_4b, "sdar_8b": sdar_8b, "dream_7b": dream_7b,
 }
 
 

@@ -1,8 +1,14 @@
-"""One configurable NNX transformer for both families: LLaDA (LLaMA-like) and SDAR (Qwen3).
+"""One configurable NNX transformer for every family: LLaDA (LLaMA-like), SDAR (Qwen3) and Dream
+(Qwen2.5: biases on q/k/v, full attention, shifted prediction).
 
 Float32 parameters, `config.compute_dtype` activations, float32 logits. Entry points:
 `logits` (full / block-causal), `staircase_logits` (dual stream, docs/method.md §4) and `cached_logits`
-with a preallocated `KVCache` (SDAR block decoding, docs/method.md §5).
+with a preallocated `KVCache` (SDAR block decoding, docs/method.md §5), `forward_kv` (full
+attention against reused keys/values).
+
+One contract for every family: the logits at slot i predict the token at slot i. Dream's trunk
+predicts the next token (its state at slot i is a prediction of token i + 1); `shift_to_targets`
+moves each state one slot right before the head, so callers never see the difference.
 """
 import functools
 
@@ -48,20 +54,21 @@ def apply_rope(x_BxLxNxH: jax.Array, cos_BxLxH: jax.Array, sin_BxLxH: jax.Array)
   return out.astype(x_BxLxNxH.dtype)
 
 
-def _linear(d_in: int, d_out: int, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Linear:
-  return nnx.Linear(d_in, d_out, use_bias=False, dtype=cfg.compute_dtype,
+def _linear(d_in: int, d_out: int, cfg: ModelConfig, rngs: nnx.Rngs,
+            bias: bool = False) -> nnx.Linear:
+  return nnx.Linear(d_in, d_out, use_bias=bias, dtype=cfg.compute_dtype,
                     param_dtype=cfg.param_dtype, kernel_init=_INIT, rngs=rngs)
 
 
 class Attention(nnx.Module):
-  """MHA / GQA with optional per-head q/k RMS norm before RoPE."""
+  """MHA / GQA with optional per-head q/k RMS norm before RoPE and optional q/k/v biases."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     self.attention_tile = cfg.attention_tile
-    self.q_proj = _linear(cfg.d_model, cfg.n_heads * cfg.head_dim, cfg, rngs)
-    self.k_proj = _linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg, rngs)
-    self.v_proj = _linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg, rngs)
+    self.q_proj = _linear(cfg.d_model, cfg.n_heads * cfg.head_dim, cfg, rngs, cfg.qkv_bias)
+    self.k_proj = _linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg, rngs, cfg.qkv_bias)
+    self.v_proj = _linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg, rngs, cfg.qkv_bias)
     self.o_proj = _linear(cfg.n_heads * cfg.head_dim, cfg.d_model, cfg, rngs)
     self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, param_dtype=cfg.param_dtype) if cfg.qk_norm else None
     self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, param_dtype=cfg.param_dtype) if cfg.qk_norm else None
@@ -162,8 +169,31 @@ def _positions(positions, batch: int, length: int) -> jax.Array:
   return jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (batch, length))
 
 
+def shift_to_targets(h_BxTxD: jax.Array, valid_BxT=None) -> jax.Array:
+  """Next-token states -> states aligned with their targets: slot i takes the state of slot
+  i - 1 (the one that predicts token i), within the tokens of this forward.
+
+  A slot with no real predecessor keeps its own state: the first slot of the forward, and the
+  first real slot after padding (`valid_BxT` False before it). Its state predicts the *next*
+  token, as position 0 keeps its own logits in Dream's sampler: it is never a prediction of
+  the slot's own token, and such a slot is a prompt token (left padding, or the first token of
+  the sequence), never scored or sampled. So padding never feeds a real slot, and a left-padded
+  row gives the same logits as the unpadded row at every real slot. A forward of a block alone
+  (`forward_kv`) has no predecessor for its first slot: include the token before the block when
+  that slot's prediction is needed.
+  """
+  b, t = h_BxTxD.shape[:2]
+  previous_BxTxD = jnp.concatenate([h_BxTxD[:, :1], h_BxTxD[:, :-1]], axis=1)
+  if valid_BxT is None:
+    return previous_BxTxD
+  valid_BxT = jnp.broadcast_to(jnp.atleast_2d(jnp.asarray(valid_BxT, bool)), (b, t))
+  has_previous_BxT = jnp.concatenate([jnp.zeros((b, 1), bool), valid_BxT[:, :-1]], axis=1)
+  return jnp.where(has_previous_BxT[..., None], previous_BxTxD, h_BxTxD)
+
+
 class Transformer(nnx.Module):
-  """Token ids -> float32 logits; no shift (the logit at i predicts token i)."""
+  """Token ids -> float32 logits; the logit at slot i predicts the token at slot i, for every
+  family (a shifted trunk, `config.shifted`, is shifted back by `shift_to_targets`)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.config = cfg
@@ -188,6 +218,17 @@ class Transformer(nnx.Module):
       new_kvs.append(kv)
     return self.final_norm(x_BxTxD), new_kvs
 
+  def _targets(self, h_BxTxD: jax.Array, valid_BxT=None) -> jax.Array:
+    """The trunk's final-normed states aligned with the tokens they predict (the identity for
+    the families whose trunk predicts each slot's own token)."""
+    return shift_to_targets(h_BxTxD, valid_BxT) if self.config.shifted else h_BxTxD
+
+  def _refuse_shifted(self, what: str) -> None:
+    if self.config.shifted:
+      raise ValueError(f"{what} is block diffusion (SDAR); family {self.config.family!r} predicts "
+                       "the next slot's token with full attention, which has no block-diffusion "
+                       "form: use `logits` or `forward_kv`")
+
   def _mask(self, parts: attn_lib.MaskParts):
     """The dense mask, or with `attention_impl="blockwise"` its parts (tiles built on the fly)."""
     return parts if self.config.attention_impl == "blockwise" else parts.mask()
@@ -201,7 +242,9 @@ class Transformer(nnx.Module):
     return logits_MxV.reshape(b, t, -1)
 
   def head_logits(self, h_BxTxD: jax.Array) -> jax.Array:
-    """float32 logits of final-normed hidden states (`logits(..., head=False)`)."""
+    """float32 logits of the states `logits(..., head=False)` / `forward_kv` return. Those are
+    already aligned with their targets (shifted for Dream), so any slice of them maps to the
+    logits of the same slots: no shift happens here."""
     return self._head(h_BxTxD)
 
   def logits(self, input_ids_BxL: jax.Array, *, attention: str = "full",
@@ -210,8 +253,11 @@ class Transformer(nnx.Module):
     """Plain forward: `attention="full"` (bidirectional, LLaDA) or `"block_causal"` (SDAR).
 
     `positions` ([L] or [B, L]) default to 0..L-1; `valid_BxL` marks real (non-padding) keys.
-    `head=False` returns the final-normed hidden states `[B, L, D]` instead (`head_logits` maps
-    them to logits, e.g. a chunk at a time).
+    `head=False` returns the final-normed hidden states `[B, L, D]` instead, aligned with their
+    targets like the logits (`head_logits` maps them to logits, e.g. a chunk at a time). For a
+    shifted family the first real slot of each row has no prediction of its own: see
+    `shift_to_targets`. `"block_causal"` with `block_size=1` is then the autoregressive forward
+    of the model the family was initialised from.
     """
     b, l = input_ids_BxL.shape
     positions_BxL = _positions(positions, b, l)
@@ -225,6 +271,7 @@ class Transformer(nnx.Module):
     else:
       raise ValueError(f"unknown attention {attention!r}; expected 'full' or 'block_causal'")
     h_BxLxD, _ = self._trunk(input_ids_BxL, positions_BxL, mask)
+    h_BxLxD = self._targets(h_BxLxD, valid_BxL)
     return self._head(h_BxLxD) if head else h_BxLxD
 
   def staircase_logits(self, noisy_ids_BxN: jax.Array, clean_ids_BxN: jax.Array, *,
@@ -233,8 +280,10 @@ class Transformer(nnx.Module):
     """Logits [B, N, V] of the noisy stream, each block conditioned on its clean prefix only.
 
     One forward over `[x_t ; x_0]` (length 2N, shared positions) replaces one forward per block.
-    `head=False` returns the noisy stream's hidden states `[B, N, D]` instead.
+    `head=False` returns the noisy stream's hidden states `[B, N, D]` instead. Refused for a
+    shifted family (Dream), which is not a block-diffusion model.
     """
+    self._refuse_shifted("staircase attention")
     block_size = block_size or self.config.block_size
     if block_size is None:
       raise ValueError("staircase attention needs block_size (config has none)")
@@ -254,6 +303,10 @@ class Transformer(nnx.Module):
 
     `past` is a per-layer list of (k, v) [B, S, K, H] (rotated at their own positions); every
     valid past key (`past_valid_BxS`) and every valid new key (`valid_BxT`) is attended to.
+    The states are aligned with their targets like `logits(..., head=False)`; for a shifted
+    family the shift stays within these T tokens (a past key has no state), so the first of
+    them keeps its own next-token state: forward from the slot before a block to predict the
+    block's first token (`shift_to_targets`). The keys/values are each token's own.
     """
     b, t = ids_BxT.shape
     k_valid_BxS = jnp.asarray(valid_BxT, bool)
@@ -261,7 +314,8 @@ class Transformer(nnx.Module):
       k_valid_BxS = jnp.concatenate([jnp.asarray(past_valid_BxS, bool), k_valid_BxS], axis=1)
     mask = attn_lib.attention_mask(jnp.zeros((b, t), jnp.int32),
                                    jnp.zeros(k_valid_BxS.shape, jnp.int32), k_valid_BxS=k_valid_BxS)
-    return self._trunk(ids_BxT, _positions(positions_BxT, b, t), mask, past)
+    h_BxTxD, new_kvs = self._trunk(ids_BxT, _positions(positions_BxT, b, t), mask, past)
+    return self._targets(h_BxTxD, valid_BxT), new_kvs
 
   def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
     """An empty cache of `max_len` slots (dtype defaults to the compute dtype)."""
@@ -282,7 +336,10 @@ class Transformer(nnx.Module):
     `commit=True` (prefill, or caching a finished block): the tokens are clean, attend
     block-causally to the cache and themselves, and are written at slots [length, length + T).
     The caller keeps length + T <= max_len (out-of-range writes are clamped by XLA).
+    Refused for a shifted family (Dream): it has no block-causal decoding (`forward_kv` is its
+    cached forward).
     """
+    self._refuse_shifted("cached block decoding")
     block_size = block_size or self.config.block_size
     if block_size is None:
       raise ValueError("cached decoding needs block_size (config has none)")

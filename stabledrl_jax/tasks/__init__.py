@@ -10,6 +10,8 @@ A task defined outside the package is named by its import path, `get_task("my_pk
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 from stabledrl_jax.tasks import countdown, gsm8k, jsonl, math500, sorting, sudoku
@@ -37,10 +39,15 @@ def get_task(name: str) -> Task:
 
 
 def from_config(task_config: Any) -> Task:
-  """The task of a run's `config.task` (the `jsonl` task is built from its fields there)."""
+  """The task of a run's `config.task` (the `jsonl` task is built from its fields there; Sudoku
+  with `task.sft_unfilled` > 0 demonstrates with blanks left empty)."""
   if task_config.name == "jsonl":
     return jsonl.make_task(task_config.prompt_field, task_config.answer_field, task_config.checker)
-  return get_task(task_config.name)
+  task = get_task(task_config.name)
+  if task_config.name == "sudoku" and task_config.sft_unfilled:
+    return dataclasses.replace(task, demonstrate=functools.partial(
+        sudoku.unfilled_demonstration, unfilled=task_config.sft_unfilled))
+  return task
 
 
 __all__ = ["Example", "RewardFn", "TASKS", "Task", "from_config", "get_task", "weighted_reward"]

@@ -45,6 +45,10 @@ def answer_tag_reward(completion: str, example: Example) -> float:
   return 1.0 if extract.last_answer_tag(completion) else 0.0
 
 
+MODULE_FUNCTIONS = ("question", "compact_question", "extract_answer", "correctness", "is_correct",
+                    "reference_completion")
+
+
 @dataclasses.dataclass(frozen=True)
 class Task:
   """One task: how to ask, how to read the answer, how to score it."""
@@ -56,6 +60,9 @@ class Task:
   correctness: RewardFn  # task score in [0, 1] (partial credit where the task defines it)
   is_correct: Callable[[str, Example], bool]
   reference_completion: Callable[[Example], str] | None = None  # SFT target, where known
+  # A (weaker) demonstrator: (example, numpy Generator) -> the SFT target drawn for it; None =
+  # `reference_completion`.
+  demonstrate: Callable[[Example, Any], str] | None = None
   extra_rewards: Mapping[str, RewardFn] = dataclasses.field(default_factory=dict)
   default_weights: Mapping[str, float] = dataclasses.field(
       default_factory=lambda: {"correctness": 1.0}
@@ -65,6 +72,14 @@ class Task:
   # `from_record(record)` -> the example of one JSONL record (task.source='local'; default: as is).
   generate: Callable[[str, int, int], Sequence[Example]] | None = None
   from_record: Callable[[dict], Example] | None = None
+
+  @classmethod
+  def of_module(cls, name: str, module: Any, **fields: Any) -> Task:
+    """The task a module defines by functions named as this class's fields (`question`,
+    `compact_question`, `extract_answer`, `correctness`, `is_correct`, `reference_completion`),
+    with `fields` set explicitly (e.g. `extra_rewards`)."""
+    found = {f: getattr(module, f) for f in MODULE_FUNCTIONS if hasattr(module, f)}
+    return cls(name=name, **found, **fields)
 
   @property
   def rewards(self) -> dict[str, RewardFn]:
@@ -111,10 +126,3 @@ def weighted_reward(available: Mapping[str, RewardFn], weights: Mapping[str, flo
     return sum(w * fn(completion, example) for fn, w in chosen)
 
   return reward
-
-
-def reward_range(weights: Mapping[str, float]) -> tuple[float, float]:
-  """Bounds of a weighted sum of [0, 1] rewards (every reward here lies in [0, 1])."""
-  lo = sum(min(w, 0.0) for w in weights.values())
-  hi = sum(max(w, 0.0) for w in weights.values())
-  return lo, hi

@@ -10,6 +10,7 @@ missing or holds no equation (LLaDA often boxes its answer and garbles the tag).
 from __future__ import annotations
 
 import itertools
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from fractions import Fraction
@@ -171,12 +172,4 @@ def from_record(record: dict) -> dict:
   return {"numbers": numbers, "target": int(record["output"])}
 
 
-TASK = base.Task(
-    name="countdown",
-    question=question,
-    compact_question=compact_question,
-    extract_answer=extract_answer,
-    correctness=correctness,
-    is_correct=is_correct,
-    reference_completion=reference_completion,
-)
+TASK = base.Task.of_module("countdown", sys.modules[__name__])

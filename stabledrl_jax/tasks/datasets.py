@@ -9,6 +9,7 @@ random-access source of example dicts for Grain (a file builder is prepared once
 
 from __future__ import annotations
 
+import dataclasses
 import csv
 import json
 from collections.abc import Callable, Iterator
@@ -292,7 +293,8 @@ def load_source(task: str | base.Task, split: str, *, source: str = "generated",
   are TFDS builders, prepared once under `data_dir`.
   """
   if not isinstance(task, str):
-    if BUILT_IN.get(task.name) is not task:
+    built_in = BUILT_IN.get(task.name)  # the same task, its SFT demonstrator aside
+    if built_in is None or dataclasses.replace(task, demonstrate=built_in.demonstrate) != built_in:
       return task_examples(task, split, source=source, **kwargs)
     task = task.name
   if source == "generated":

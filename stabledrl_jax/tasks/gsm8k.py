@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 
 from stabledrl_jax.tasks import base, extract
 
@@ -78,12 +79,4 @@ def from_record(record: dict) -> dict:
   return {"question": str(record["question"]), "answer": final, "reasoning": reasoning}
 
 
-TASK = base.Task(
-    name="gsm8k",
-    question=question,
-    compact_question=compact_question,
-    extract_answer=extract_answer,
-    correctness=correctness,
-    is_correct=is_correct,
-    reference_completion=reference_completion,
-)
+TASK = base.Task.of_module("gsm8k", sys.modules[__name__])

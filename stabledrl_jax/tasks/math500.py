@@ -186,15 +186,7 @@ def from_record(record: dict) -> dict:
   return {"question": str(record["problem"]), "answer": str(record["answer"])}
 
 
-TASK = base.Task(
-    name="math500",
-    question=question,
-    compact_question=compact_question,
-    extract_answer=extract_answer,
-    correctness=correctness,
-    is_correct=is_correct,
-    reference_completion=reference_completion,
-)
+TASK = base.Task.of_module("math500", sys.modules[__name__])
 
 
 if __name__ == "__main__":

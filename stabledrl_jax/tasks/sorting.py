@@ -12,6 +12,7 @@ length (else 0); `exact`, 1 for the whole sorted string (`is_correct`) and 0 oth
 from __future__ import annotations
 
 import hashlib
+import sys
 
 import numpy as np
 
@@ -78,13 +79,5 @@ def reference_completion(example: base.Example) -> str:
   return f"<answer>{sorted_digits(example['digits'])}</answer>"
 
 
-TASK = base.Task(
-    name="sorting",
-    question=question,
-    compact_question=compact_question,
-    extract_answer=extract_answer,
-    correctness=correctness,
-    is_correct=is_correct,
-    reference_completion=reference_completion,
-    extra_rewards={"exact": lambda completion, example: float(is_correct(completion, example))},
-)
+TASK = base.Task.of_module("sorting", sys.modules[__name__], extra_rewards={
+    "exact": lambda completion, example: float(is_correct(completion, example))})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import sys
 from collections.abc import Iterator
 
 import numpy as np
@@ -175,7 +176,7 @@ def reference_completion(example: base.Example) -> str:
   return f"<answer>{example['solution']}</answer>"
 
 
-def unfilled_demonstration(example: base.Example, unfilled: float, rng: np.random.Generator) -> str:
+def unfilled_demonstration(example: base.Example, rng: np.random.Generator, unfilled: float) -> str:
   """A weaker demonstrator's answer: the solution with each blank cell of the puzzle left empty
   (`0`) with probability `unfilled`; the given cells are always copied."""
   if not 0 <= unfilled <= 1:
@@ -198,12 +199,4 @@ def from_csv_row(row: dict) -> dict:
   return {"puzzle": puzzle, "solution": solution}
 
 
-TASK = base.Task(
-    name="sudoku",
-    question=question,
-    compact_question=compact_question,
-    extract_answer=extract_answer,
-    correctness=correctness,
-    is_correct=is_correct,
-    reference_completion=reference_completion,
-)
+TASK = base.Task.of_module("sudoku", sys.modules[__name__])

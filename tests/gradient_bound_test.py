@@ -1,13 +1,13 @@
-"""The gradient-bound demonstration shows StableDRL within its bound while GRPO explodes."""
+"""examples/gradient_bound.py shows StableDRL within its gradient bound while GRPO explodes."""
 import pathlib
 import subprocess
 import sys
 
 
-def test_main_prints_the_gradient_bound_table():
+def test_the_example_prints_the_gradient_bound_table():
   repo = pathlib.Path(__file__).resolve().parents[1]
-  out = subprocess.run([sys.executable, "-c", "from stabledrl_jax import demo; demo.print_gradient_bound_table()"], capture_output=True, text=True,
-                       cwd=repo, timeout=300)
+  out = subprocess.run([sys.executable, "examples/gradient_bound.py"], capture_output=True,
+                       text=True, cwd=repo, timeout=300)
   assert out.returncode == 0, out.stderr
   rows = [line.split("|") for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]
   assert [int(r[0]) for r in rows] == [0, 1, 2, 4, 6, 8]

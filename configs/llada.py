@@ -9,19 +9,11 @@ r"""StableDRL on a full-attention masked diffusion (LLaDA) model.
   # 8b and 8b_official fit a v5p-8 as they are; on a v6e-8 add --config.rl.accumulation=8
   # (8b_official: 16) (BUILD.md, ahead-of-time fit check)
 
-Override any key with --config.a.b=value (e.g. --config.rl.objective=grpo).
+Override any key with --config.a.b=value (e.g. --config.rl.objective=grpo). The presets are in
+`stabledrl_jax/presets.py`, every key's default in `stabledrl_jax/config_lib.py`.
 """
 from stabledrl_jax import config_lib
 
 
 def get_config(preset: str = "tiny"):
-  c = config_lib.base_config("llada")
-  config_lib.apply_preset(c, preset)
-  if preset in ("8b", "8b_official"):
-    c.model.preset = "llada_8b"
-    c.sampler.block_length = 32
-    c.sampler.steps = 128  # rollouts: gen 256, block 32, 128 steps (docs/method.md §6)
-  if preset == "8b":  # rollouts with the block-wise KV cache (README: Fast LLaDA rollouts)
-    c.sampler.cache = "dual"
-  c.lock()
-  return c
+  return config_lib.config("llada", preset)

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints <-> the NNX transformer: LLaDA, SDAR and Qwen3 (docs/method.md §6).
+"""Hugging Face checkpoints <-> the NNX transformer: LLaDA, SDAR, Qwen3 (docs/method.md §6) and
+Dream (Dream-org/Dream-v0-Instruct-7B's format: model_type "Dream", Qwen2 tensor names).
 
 Loading reads `config.json`, builds the model abstractly (no parameter memory), then streams
 the safetensors tensor by tensor into (sharded) device arrays: the host holds one tensor (or,
@@ -13,12 +14,18 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from stabledrl_jax.models import safetensors_io
 from stabledrl_jax.models.config import ModelConfig
 from stabledrl_jax.models.transformer import Transformer
 
-FAMILY_OF_MODEL_TYPE = {"llada": "llada", "sdar": "sdar", "qwen3": "sdar"}
+FAMILY_OF_MODEL_TYPE = {"llada": "llada", "sdar": "sdar", "qwen3": "sdar", "Dream": "dream"}
+# DreamConfig's defaults: the released code reads them when config.json omits the key.
+DREAM_DEFAULTS = {"mask_token_id": 151666, "pad_token_id": 151643, "num_key_value_heads": 32,
+                  "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768}
+DREAM_AUTO_MAP = {"AutoConfig": "configuration_dream.DreamConfig",
+                  "AutoModel": "modeling_dream.DreamModel"}
 # Logical axis -> mesh axis (issue 7 names: data, fsdp, tensor); unknown mesh axes are skipped.
 DEFAULT_RULES = {"embed": "fsdp", "heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
 
@@ -46,13 +53,46 @@ def _first(token):
   return token[0] if isinstance(token, (list, tuple)) else token
 
 
+def _dream_config(hf: dict, dtypes: dict) -> ModelConfig:
+  """Dream's config.json (the DreamConfig keys, its defaults where a key is absent). The
+  released attention derives head_dim as hidden_size / num_attention_heads and always has q/k/v
+  biases and full attention; the mask token is config.json's `mask_token_id`, which the released
+  sampler reads (its generation_config.json leaves it null)."""
+  rope = hf.get("rope_scaling") or {}
+  if rope.get("rope_type", rope.get("type", "default")) != "default":
+    raise ValueError(f"Dream rope_scaling {rope!r} is not supported")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"Dream hidden_act={hf['hidden_act']!r} is not supported")
+  d, heads, vocab = hf["hidden_size"], hf["num_attention_heads"], hf["vocab_size"]
+  if d % heads:
+    raise ValueError(f"Dream hidden_size={d} is not a multiple of num_attention_heads={heads}")
+  dflt = {k: hf.get(k, v) for k, v in DREAM_DEFAULTS.items()}
+  if "mask_token_id" not in hf and DREAM_DEFAULTS["mask_token_id"] >= vocab:
+    dflt["mask_token_id"] = None  # not this vocabulary's: the tokenizer's mask token is used
+  eos_all = hf.get("eos_token_id")
+  eos_list = [t for t in (eos_all if isinstance(eos_all, (list, tuple)) else [eos_all])
+              if t is not None]
+  return ModelConfig(
+      family="dream", model_type="Dream", vocab_size=vocab, d_model=d,
+      n_layers=hf["num_hidden_layers"], n_heads=heads,
+      n_kv_heads=_first_set(dflt["num_key_value_heads"], heads), head_dim=d // heads,
+      mlp_dim=hf["intermediate_size"], rope_theta=float(dflt["rope_theta"]),
+      norm_eps=float(dflt["rms_norm_eps"]), qk_norm=False, mask_token_id=dflt["mask_token_id"],
+      eos_token_id=eos_list[0] if eos_list else None, pad_token_id=dflt["pad_token_id"],
+      stop_token_ids=tuple(eos_list), block_size=None,
+      tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      max_seq_len=dflt["max_position_embeddings"], **dtypes)
+
+
 def config_from_hf(hf: dict, *, compute_dtype: str = "bfloat16",
                    param_dtype: str = "float32") -> ModelConfig:
-  """ModelConfig from a Hugging Face config.json dict (LLaDA, SDAR or Qwen3 keys)."""
+  """ModelConfig from a Hugging Face config.json dict (LLaDA, SDAR, Qwen3 or Dream keys)."""
   model_type = hf.get("model_type")
   if model_type not in FAMILY_OF_MODEL_TYPE:
     raise ValueError(f"unknown model_type {model_type!r}; supported: {sorted(FAMILY_OF_MODEL_TYPE)}")
   dtypes = dict(compute_dtype=compute_dtype, param_dtype=param_dtype)
+  if model_type == "Dream":
+    return _dream_config(hf, dtypes)
   if model_type == "llada":
     for key, ok in (("include_bias", False), ("include_qkv_bias", False),
                     ("attention_layer_norm", False), ("alibi", False)):
@@ -96,9 +136,30 @@ def config_from_hf(hf: dict, *, compute_dtype: str = "bfloat16",
       max_seq_len=hf.get("max_position_embeddings", 32768), **dtypes)
 
 
+def _dream_config_to_hf(cfg: ModelConfig, dtype: str) -> dict:
+  """The keys of Dream-v0-Instruct-7B's config.json (`auto_map` to the remote code that a
+  source checkpoint's files carry), without the bookkeeping ones (_name_or_path, versions)."""
+  out = {
+      "architectures": ["DreamModel"], "attention_dropout": 0.0, "auto_map": dict(DREAM_AUTO_MAP),
+      "eos_token_id": cfg.eos_token_id, "hidden_act": "silu", "hidden_size": cfg.d_model,
+      "initializer_range": 0.02, "intermediate_size": cfg.mlp_dim,
+      "max_position_embeddings": cfg.max_seq_len, "max_window_layers": cfg.n_layers,
+      "model_type": "Dream", "num_attention_heads": cfg.n_heads,
+      "num_hidden_layers": cfg.n_layers, "num_key_value_heads": cfg.n_kv_heads,
+      "pad_token_id": cfg.pad_token_id, "rms_norm_eps": cfg.norm_eps, "rope_scaling": None,
+      "rope_theta": cfg.rope_theta, "sliding_window": None, "tie_word_embeddings": False,
+      "torch_dtype": dtype, "use_cache": True, "use_mrope": False,
+      "use_sliding_window": False, "vocab_size": cfg.vocab_size}
+  if cfg.mask_token_id is not None:  # else DreamConfig's default
+    out["mask_token_id"] = cfg.mask_token_id
+  return out
+
+
 def config_to_hf(cfg: ModelConfig) -> dict:
   """config.json dict that `config_from_hf` (and the family's own code) reads back."""
   dtype = {"float32": "float32", "bfloat16": "bfloat16"}.get(cfg.param_dtype, cfg.param_dtype)
+  if cfg.family == "dream":
+    return _dream_config_to_hf(cfg, dtype)
   if cfg.family == "llada":
     return {
         "model_type": "llada", "architectures": ["LLaDAModelLM"], "d_model": cfg.d_model,
@@ -129,48 +190,81 @@ def config_to_hf(cfg: ModelConfig) -> dict:
   return out
 
 
+_NORM, _LIN_IN, _LIN_OUT = ("norm",), ("embed", "heads"), ("heads", "embed")
+_MLP_IN, _MLP_OUT = ("embed", "mlp"), ("mlp", "embed")
+# Per-layer parameter: (attribute path in a Block, transposed on disk, logical axes).
+_LAYER_PARAMS = {
+    "attn_norm": (("attn_norm", "scale"), False, _NORM),
+    "mlp_norm": (("mlp_norm", "scale"), False, _NORM),
+    "q_proj": (("attn", "q_proj", "kernel"), True, _LIN_IN),
+    "k_proj": (("attn", "k_proj", "kernel"), True, _LIN_IN),
+    "v_proj": (("attn", "v_proj", "kernel"), True, _LIN_IN),
+    "o_proj": (("attn", "o_proj", "kernel"), True, _LIN_OUT),
+    "q_norm": (("attn", "q_norm", "scale"), False, _NORM),
+    "k_norm": (("attn", "k_norm", "scale"), False, _NORM),
+    "gate_proj": (("gate_proj", "kernel"), True, _MLP_IN),
+    "up_proj": (("up_proj", "kernel"), True, _MLP_IN),
+    "down_proj": (("down_proj", "kernel"), True, _MLP_OUT),
+    "q_bias": (("attn", "q_proj", "bias"), False, ("heads",)),
+    "k_bias": (("attn", "k_proj", "bias"), False, ("heads",)),
+    "v_bias": (("attn", "v_proj", "bias"), False, ("heads",)),
+}
+_LLADA_LAYER_NAMES = {
+    "attn_norm": "attn_norm.weight", "mlp_norm": "ff_norm.weight", "q_proj": "q_proj.weight",
+    "k_proj": "k_proj.weight", "v_proj": "v_proj.weight", "o_proj": "attn_out.weight",
+    "gate_proj": "ff_proj.weight", "up_proj": "up_proj.weight", "down_proj": "ff_out.weight"}
+# Qwen2 / Qwen3 names: SDAR, Qwen3 and Dream (whose DreamModel holds `model` and `lm_head`).
+_QWEN_LAYER_NAMES = {
+    "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
+    "q_proj": "self_attn.q_proj.weight", "k_proj": "self_attn.k_proj.weight",
+    "v_proj": "self_attn.v_proj.weight", "o_proj": "self_attn.o_proj.weight",
+    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+    "gate_proj": "mlp.gate_proj.weight", "up_proj": "mlp.up_proj.weight",
+    "down_proj": "mlp.down_proj.weight", "q_bias": "self_attn.q_proj.bias",
+    "k_bias": "self_attn.k_proj.bias", "v_bias": "self_attn.v_proj.bias"}
+
+
+def _layer_keys(cfg: ModelConfig) -> list[str]:
+  """The parameters of one block, in the order they are written."""
+  keys = ["attn_norm", "mlp_norm", "q_proj", "k_proj", "v_proj", "o_proj"]
+  keys += ["q_norm", "k_norm"] if cfg.qk_norm else []
+  keys += ["gate_proj", "up_proj", "down_proj"]
+  return keys + (["q_bias", "k_bias", "v_bias"] if cfg.qkv_bias else [])
+
+
 def weight_specs(cfg: ModelConfig) -> list[WeightSpec]:
-  """Every parameter with its Hugging Face name (docs/method.md §6 tables)."""
-  norm, lin_in, lin_out = ("norm",), ("embed", "heads"), ("heads", "embed")
-  mlp_in, mlp_out = ("embed", "mlp"), ("mlp", "embed")
+  """Every parameter with its Hugging Face name (docs/method.md §6 tables; Dream's are the
+  Qwen2 names, with the q/k/v biases)."""
   if cfg.family == "llada":
     p = "model.transformer."
-    layer_names = {"attn_norm": "attn_norm", "mlp_norm": "ff_norm", "q_proj": "q_proj",
-                   "k_proj": "k_proj", "v_proj": "v_proj", "o_proj": "attn_out",
-                   "gate_proj": "ff_proj", "up_proj": "up_proj", "down_proj": "ff_out"}
     top = [WeightSpec(("embed", "embedding"), p + "wte.weight", False, ("vocab", "embed")),
-           WeightSpec(("final_norm", "scale"), p + "ln_f.weight", False, norm),
+           WeightSpec(("final_norm", "scale"), p + "ln_f.weight", False, _NORM),
            WeightSpec(("head", "kernel"), p + "ff_out.weight", True, ("embed", "vocab"))]
-    layer_prefix = p + "blocks.{}."
+    layer_prefix, layer_names = p + "blocks.{}.", _LLADA_LAYER_NAMES
   else:
-    layer_names = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
-                   "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj",
-                   "v_proj": "self_attn.v_proj", "o_proj": "self_attn.o_proj",
-                   "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
-                   "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
-                   "down_proj": "mlp.down_proj"}
     top = [WeightSpec(("embed", "embedding"), "model.embed_tokens.weight", False, ("vocab", "embed")),
-           WeightSpec(("final_norm", "scale"), "model.norm.weight", False, norm),
+           WeightSpec(("final_norm", "scale"), "model.norm.weight", False, _NORM),
            WeightSpec(("head", "kernel"), "lm_head.weight", True, ("embed", "vocab"))]
-    layer_prefix = "model.layers.{}."
-  ours = {"attn_norm": (("attn_norm", "scale"), False, norm),
-          "mlp_norm": (("mlp_norm", "scale"), False, norm),
-          "q_proj": (("attn", "q_proj", "kernel"), True, lin_in),
-          "k_proj": (("attn", "k_proj", "kernel"), True, lin_in),
-          "v_proj": (("attn", "v_proj", "kernel"), True, lin_in),
-          "o_proj": (("attn", "o_proj", "kernel"), True, lin_out),
-          "q_norm": (("attn", "q_norm", "scale"), False, norm),
-          "k_norm": (("attn", "k_norm", "scale"), False, norm),
-          "gate_proj": (("gate_proj", "kernel"), True, mlp_in),
-          "up_proj": (("up_proj", "kernel"), True, mlp_in),
-          "down_proj": (("down_proj", "kernel"), True, mlp_out)}
+    layer_prefix, layer_names = "model.layers.{}.", _QWEN_LAYER_NAMES
   specs = list(top)
   for i in range(cfg.n_layers):
-    for key, hf_suffix in layer_names.items():
-      path, transpose, axes = ours[key]
-      specs.append(WeightSpec(("blocks", i) + path, layer_prefix.format(i) + hf_suffix + ".weight",
+    for key in _layer_keys(cfg):
+      path, transpose, axes = _LAYER_PARAMS[key]
+      specs.append(WeightSpec(("blocks", i) + path, layer_prefix.format(i) + layer_names[key],
                               transpose, axes))
   return specs
+
+
+def generation_config_to_hf(cfg: ModelConfig) -> dict | None:
+  """generation_config.json for an export with no source checkpoint, where the family's own
+  code needs one: Dream's loader reads it into its DreamGenerationConfig (the released keys and
+  defaults: `origin` remasking, 512 steps, eps 1e-3, greedy). None for the other families."""
+  if cfg.family != "dream":
+    return None
+  return {"_from_model_config": True, "alg": "origin", "alg_temp": None,
+          "eos_token_id": cfg.eos_token_id, "eps": 0.001, "mask_token_id": cfg.mask_token_id,
+          "output_history": False, "pad_token_id": cfg.pad_token_id, "steps": 512,
+          "temperature": 0.0, "top_k": None, "top_p": None}
 
 
 def param_sharding(mesh: Mesh, logical_axes: tuple, shape: tuple,
@@ -193,23 +287,48 @@ def _variable(model, path):
   return obj
 
 
+def added_tokens(hf_dir: str) -> list[dict]:
+  """The added tokens of the checkpoint's tokenizer, each `{"id", "content", "special", ...}`:
+  tokenizer.json's `added_tokens`, or, for a tokenizer shipped as vocab.json + merges.txt
+  (Dream's), tokenizer_config.json's `added_tokens_decoder` (id -> token)."""
+  added = _read_json(os.path.join(hf_dir, "tokenizer.json")).get("added_tokens")
+  if added:
+    return added
+  decoder = _read_json(os.path.join(hf_dir, "tokenizer_config.json")).get("added_tokens_decoder")
+  return [{**entry, "id": int(i)} for i, entry in (decoder or {}).items()]
+
+
+def _token_text(entry) -> str | None:
+  # tokenizer_config.json spells a special token as a string or as {"content": ...}.
+  return entry.get("content") if isinstance(entry, dict) else entry
+
+
+def _raise_template_error(message: str) -> None:
+  raise ValueError(f"chat template: {message}")
+
+
+def _render_chat_template(tokenizer_config: dict, messages: list[dict]) -> str:
+  """The conversation as the checkpoint's chat template writes it, rendered in a sandbox (the
+  template is data, not trusted code) as `tasks.tokenizer.HFTokenizer` renders it."""
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+  env.globals["raise_exception"] = _raise_template_error
+  return env.from_string(tokenizer_config["chat_template"]).render(
+      messages=messages, add_generation_prompt=False,
+      bos_token=_token_text(tokenizer_config.get("bos_token")) or "",
+      eos_token=_token_text(tokenizer_config.get("eos_token")) or "")
+
+
 def end_of_turn_token(hf_dir: str) -> str | None:
   """The special token the chat template writes right after an assistant message, if any."""
-  tokenizer_file = os.path.join(hf_dir, "tokenizer.json")
-  if not os.path.exists(os.path.join(hf_dir, "tokenizer_config.json")) or not os.path.exists(
-      tokenizer_file):
-    return None
-  from stabledrl_jax.tasks.tokenizer import HFTokenizer
-  tokenizer = HFTokenizer(hf_dir)
-  if not tokenizer.chat_template:
+  tokenizer_config = _read_json(os.path.join(hf_dir, "tokenizer_config.json"))
+  special = [t["content"] for t in added_tokens(hf_dir) if t.get("special")]
+  if not isinstance(tokenizer_config.get("chat_template"), str) or not special:
     return None
   marker = "\u2063end of the answer\u2063"
-  text = tokenizer.apply_chat_template(
-      [{"role": "user", "content": "question"}, {"role": "assistant", "content": marker}],
-      add_generation_prompt=False)
+  text = _render_chat_template(
+      tokenizer_config,
+      [{"role": "user", "content": "question"}, {"role": "assistant", "content": marker}])
   rest = text.rpartition(marker)[2].lstrip()
-  with open(tokenizer_file) as f:
-    special = [t["content"] for t in json.load(f).get("added_tokens", []) if t.get("special")]
   found = [t for t in special if rest.startswith(t)]
   return max(found, key=len) if found else None
 
@@ -228,16 +347,14 @@ def stop_token_ids(hf_dir: str, hf: dict) -> tuple[int, ...]:
 
 
 def added_token_id(hf_dir: str, content: str) -> int | None:
-  """The id of a special token of the checkpoint's tokenizer.json (None when absent)."""
-  added = _read_json(os.path.join(hf_dir, "tokenizer.json")).get("added_tokens", [])
-  return next((t["id"] for t in added if t["content"] == content), None)
+  """The id of an added token of the checkpoint's tokenizer (None when absent)."""
+  return next((t["id"] for t in added_tokens(hf_dir) if t["content"] == content), None)
 
 
 def mask_token_id(hf_dir: str) -> int | None:
-  """The mask token named by tokenizer_config.json (SDAR's `<|MASK|>`), for a config.json that
-  does not give `mask_token_id`."""
-  entry = _read_json(os.path.join(hf_dir, "tokenizer_config.json")).get("mask_token")
-  entry = entry.get("content") if isinstance(entry, dict) else entry
+  """The mask token named by tokenizer_config.json (SDAR's `<|MASK|>`, Dream's `<|mask|>`), for
+  a config.json that does not give `mask_token_id`."""
+  entry = _token_text(_read_json(os.path.join(hf_dir, "tokenizer_config.json")).get("mask_token"))
   return added_token_id(hf_dir, entry) if entry else None
 
 
@@ -264,7 +381,7 @@ def read_hf_config(hf_dir: str) -> dict:
 def load_pretrained(hf_dir: str, *, dtype: str = "bfloat16", param_dtype: str = "float32",
                     mesh: Mesh | None = None, rules: dict | None = None,
                     options: dict | None = None) -> tuple[Transformer, ModelConfig]:
-  """Load a LLaDA / SDAR / Qwen3 checkpoint; `dtype` is the compute dtype, `options` the
+  """Load a LLaDA / SDAR / Qwen3 / Dream checkpoint; `dtype` is the compute dtype, `options` the
   execution options of the model config (remat, remat_policy, attention_impl, attention_tile).
 
   With a mesh, each tensor goes straight to its NamedSharding and each process reads from disk
@@ -345,9 +462,9 @@ def export_pretrained(model: Transformer, out_dir: str, *, dtype: str | None = N
   shutil.rmtree(partial, ignore_errors=True)  # an earlier export killed half way
   os.makedirs(partial)
   hf_config = config_to_hf(cfg)
-  hf_config["torch_dtype"] = hf_config["dtype"] = str(dtype)
-  if cfg.family == "llada":
-    del hf_config["dtype"]
+  hf_config["torch_dtype"] = str(dtype)
+  if "dtype" in hf_config:  # the newer transformers key, where the family's format has it
+    hf_config["dtype"] = str(dtype)
   if source_dir is not None:
     for name in os.listdir(source_dir):
       src = os.path.join(source_dir, name)
@@ -363,6 +480,11 @@ def export_pretrained(model: Transformer, out_dir: str, *, dtype: str | None = N
   safetensors_io.write_checkpoint(partial, tensors, fetch, max_shard_bytes)
   with open(os.path.join(partial, "config.json"), "w") as f:
     json.dump(hf_config, f, indent=2)
+  generation_config = generation_config_to_hf(cfg)
+  generation_path = os.path.join(partial, "generation_config.json")
+  if generation_config is not None and not os.path.exists(generation_path):
+    with open(generation_path, "w") as f:
+      json.dump(generation_config, f, indent=2)
   if os.path.exists(out_dir):
     old = out_dir.rstrip("/") + ".old"
     shutil.rmtree(old, ignore_errors=True)

@@ -3,7 +3,7 @@
 import pytest
 
 from stabledrl_jax.tasks import get_task
-from stabledrl_jax.tasks.base import FORMAT_INSTRUCTION, reward_range
+from stabledrl_jax.tasks.base import FORMAT_INSTRUCTION
 
 EXAMPLES = {
     "countdown": ({"numbers": [3, 5, 7], "target": 22}, "<answer>3 * 5 + 7</answer>"),
@@ -27,8 +27,7 @@ def test_every_task_grades_and_prompts(name):
   assert task.messages(example)[0]["role"] == "user"
   weights = {"correctness": 1.0, "format": 0.25}
   completion = "<reasoning>r</reasoning>" + good
-  lo, hi = reward_range(weights)
-  assert task.reward(completion, example, weights) == hi == 1.25 and lo == 0.0
+  assert task.reward(completion, example, weights) == 1.25
   with pytest.raises(ValueError, match="style"):
     task.prompt(example, "fancy")
 

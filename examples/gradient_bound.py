@@ -1,4 +1,5 @@
-"""The gradient-bound demonstration: StableDRL against GRPO under exploding estimated ratios.
+"""The gradient-bound demonstration: StableDRL against GRPO under exploding estimated ratios
+(`python examples/gradient_bound.py`).
 
 A linear surrogate `L_j(θ) = θ·φ_j` has known per-sample gradients `φ_j`, so the convex-hull
 bound `mean_groups max_j |A_j| ‖φ_j‖` on the StableDRL gradient can be computed exactly and
@@ -6,11 +7,16 @@ compared with what each objective does as the estimated ratio of 70% of the samp
 """
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+import os
+import sys
 
-from stabledrl_jax import losses
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from stabledrl_jax import losses  # noqa: E402
 
 
 def gradient_norms(log10_ratio: float, *, seed: int = 0, num_groups: int = 4, group_size: int = 8,
@@ -50,3 +56,7 @@ def print_gradient_bound_table(log10_ratios=(0, 1, 2, 4, 6, 8)) -> list[dict[str
     ok = "yes" if r["stabledrl"] <= r["bound"] * (1 + 1e-5) else "NO"
     print(f"{k:>8} | {r['bound']:>11.3f} | {r['stabledrl']:>14.3f} | {r['grpo']:>11.3e} | {ok}")
   return rows
+
+
+if __name__ == "__main__":
+  print_gradient_bound_table()

@@ -9,18 +9,11 @@ r"""StableDRL on a block-diffusion (SDAR) model.
   # 8b fits a v5p-8 as it is; on a v6e-8 add (BUILD.md, ahead-of-time fit check):
   #   --config.model.attention_impl=blockwise --config.rl.accumulation=16
 
-Override any key with --config.a.b=value (e.g. --config.rl.objective=grpo).
+Override any key with --config.a.b=value (e.g. --config.rl.objective=grpo). The presets are in
+`stabledrl_jax/presets.py`, every key's default in `stabledrl_jax/config_lib.py`.
 """
 from stabledrl_jax import config_lib
 
 
 def get_config(preset: str = "tiny"):
-  c = config_lib.base_config("sdar")
-  config_lib.apply_preset(c, preset)
-  if preset == "8b":
-    c.model.preset = "sdar_8b"
-    c.model.block_size = 4
-    c.sampler.steps = 4  # denoising steps per block of 4
-    c.rl.accumulation = 8  # the same update in 8 micro-batches: fits 4 v5p chips (BUILD.md)
-  c.lock()
-  return c
+  return config_lib.config("sdar", preset)

@@ -22,7 +22,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from stabledrl_jax import models
-from stabledrl_jax.models import checkpoint
+from stabledrl_jax.models import huggingface
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,8 +36,8 @@ LOAD_SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     from jax.sharding import Mesh
     from stabledrl_jax import models
-    from stabledrl_jax.models import checkpoint
-    from tests.checkpoint_scaling_test import pattern
+    from stabledrl_jax.models import huggingface
+    from tests.huggingface_scaling_test import pattern
 
     def read_bytes():
       return int(next(l for l in open("/proc/self/io") if l.startswith("read_bytes")).split()[1])
@@ -45,10 +45,10 @@ LOAD_SCRIPT = textwrap.dedent("""
     jax.device_put(np.ones(4)).block_until_ready()  # backend up before the baseline
     before = read_bytes()
     model, cfg = models.load_pretrained(hf_dir, dtype="float32", mesh=mesh)
-    values = [checkpoint._variable(model, s.path).get_value() for s in checkpoint.weight_specs(cfg)]
+    values = [huggingface._variable(model, s.path).get_value() for s in huggingface.weight_specs(cfg)]
     jax.block_until_ready(values)
     after = read_bytes()
-    for k, (spec, value) in enumerate(zip(checkpoint.weight_specs(cfg), values)):
+    for k, (spec, value) in enumerate(zip(huggingface.weight_specs(cfg), values)):
       hf_shape = value.shape[::-1] if spec.transpose else value.shape
       for shard in value.addressable_shards:
         index = shard.index[::-1] if spec.transpose else shard.index
@@ -71,11 +71,11 @@ def pattern(k: int, shape: tuple, index: tuple | None = None) -> np.ndarray:
 def write_checkpoint(out, cfg) -> int:
   """The 300M model in bfloat16 as four shards + index (one shard in memory at a time); the
   checkpoint's size in bytes."""
-  specs = checkpoint.weight_specs(cfg)
+  specs = huggingface.weight_specs(cfg)
   abstract = nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
   shapes = []
   for spec in specs:
-    shape = tuple(checkpoint._variable(abstract, spec.path).get_value().shape)
+    shape = tuple(huggingface._variable(abstract, spec.path).get_value().shape)
     shapes.append(shape[::-1] if spec.transpose else shape)
   os.makedirs(out)
   weight_map = {}
@@ -86,7 +86,7 @@ def write_checkpoint(out, cfg) -> int:
     weight_map.update({specs[k].hf_name: name for k in range(i, len(specs), 4)})
   json.dump({"metadata": {}, "weight_map": weight_map},
             open(os.path.join(out, "model.safetensors.index.json"), "w"))
-  json.dump(checkpoint.config_to_hf(cfg), open(os.path.join(out, "config.json"), "w"))
+  json.dump(huggingface.config_to_hf(cfg), open(os.path.join(out, "config.json"), "w"))
   return sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)
              if f.endswith(".safetensors"))
 

@@ -1,0 +1,268 @@
+"""The rollout layer every sampler and every consumer of rollouts builds on: the samplers'
+settings (`LLaDASampling`, `SDARSampling`, from `config.sampler`), the sequence layouts, the
+`Rollout` a sampler returns (`finish`) and the `Sequences` the likelihood scores.
+
+Layout. Prompts come left-padded, `[B, P]` ids with a `[B, P]` validity mask. Each row's
+positions start at 0 at its first real token, so padding never changes what a row computes.
+- LLaDA: `[pads | prompt | gen_length masks]`; the generated region is the same slots for every
+  row and is split into blocks of `block_length`.
+- SDAR: blocks are `position // block_length`, so a prompt that does not fill its last block
+  shares it with the first generated tokens. Rows are shifted by whole blocks so that their first
+  generated block falls on the same slots; slots before a row's first token or after its last
+  generated token are invalid (never attended to, never written).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from stabledrl_jax import decoding
+
+Array = jax.Array
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+def _check(ok: bool, key: str, value, why: str) -> None:
+  if not ok:
+    raise ValueError(f"config.sampler.{key}={value!r}: {why}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LLaDASampling:
+  """LLaDA semi-autoregressive decoding (docs/method.md §5). The fields are `config.sampler`'s
+  keys and have no defaults of their own: build it with every field or with `from_config`.
+  `cache` or a `threshold` selects the approximate fast decoder (`llada_cached`)."""
+  gen_length: int
+  block_length: int
+  steps: int
+  temperature: float
+  remasking: str    # low_confidence | random
+  cfg_scale: float  # classifier-free guidance scale; 0 = none
+  cache: str        # none | prefix | dual
+  threshold: float  # commit every masked token at least this confident; 0 = off
+  stop_ids: tuple[int, ...] = ()  # () = the model config's stop tokens
+  pad_id: int | None = None       # None = the model config's pad (else eos) token
+
+  def __post_init__(self):
+    _check(self.gen_length >= 1, "gen_length", self.gen_length, "must be >= 1")
+    _check(self.block_length >= 1 and self.gen_length % self.block_length == 0, "block_length",
+           self.block_length, f"must divide sampler.gen_length={self.gen_length}")
+    blocks = self.gen_length // self.block_length
+    _check(self.steps >= blocks and self.steps % blocks == 0, "steps", self.steps,
+           f"must be a positive multiple of the number of blocks ({blocks} = gen_length / "
+           "block_length)")
+    _check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
+    _check(self.remasking in ("low_confidence", "random"), "remasking", self.remasking,
+           "expected low_confidence or random")
+    _check(self.cfg_scale >= 0, "cfg_scale", self.cfg_scale, "must be >= 0 (0 = no guidance)")
+    _check(self.cache in ("none", "prefix", "dual"), "cache", self.cache,
+           "expected none, prefix or dual")
+    _check(0 <= self.threshold <= 1, "threshold", self.threshold, "must lie in [0, 1] (0 = off)")
+
+  @classmethod
+  def from_config(cls, sampler: ml_collections.ConfigDict, temperature: float) -> LLaDASampling:
+    _check(not sampler.top_k, "top_k", sampler.top_k, "the LLaDA sampler has no top-k (set 0)")
+    _check(sampler.top_p == 1, "top_p", sampler.top_p, "the LLaDA sampler has no top-p (set 1)")
+    return cls(gen_length=sampler.gen_length, block_length=sampler.block_length,
+               steps=sampler.steps, temperature=temperature, remasking=sampler.remasking,
+               cfg_scale=sampler.cfg_scale, cache=sampler.cache, threshold=sampler.threshold)
+
+  @property
+  def fast(self) -> bool:
+    """Whether decoding is the approximate fast algorithm (not the model's exact distribution)."""
+    return self.cache != "none" or self.threshold > 0
+
+  def exact(self) -> LLaDASampling:
+    return dataclasses.replace(self, cache="none", threshold=0.0)
+
+  @property
+  def label(self) -> str:
+    """Which sampler this is, for logs and records."""
+    if not self.fast:
+      return "llada exact"
+    return f"llada cache={self.cache} threshold={self.threshold}"
+
+
+@dataclasses.dataclass(frozen=True)
+class SDARSampling:
+  """SDAR block decoding (docs/method.md §5). The fields are `config.sampler`'s keys and have no
+  defaults of their own: build it with every field or with `from_config`."""
+  gen_length: int
+  block_length: int  # the diffusion block
+  steps: int         # denoising forwards per block, at most
+  strategy: str      # low_confidence_static | low_confidence_dynamic
+  threshold: float   # low_confidence_dynamic: commit every token above it; 0 = off (static)
+  temperature: float
+  top_k: int         # 0 = all tokens
+  top_p: float       # 1 = all tokens
+  stop_ids: tuple[int, ...] = ()  # () = the model config's stop tokens
+  pad_id: int | None = None       # None = the model config's pad (else eos) token
+  use_cache: bool = True  # False recomputes the whole prefix every step (the reference path)
+
+  def __post_init__(self):
+    _check(self.gen_length >= 1, "gen_length", self.gen_length, "must be >= 1")
+    _check(self.block_length >= 1, "block_length", self.block_length, "must be >= 1")
+    _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
+    _check(self.strategy in ("low_confidence_static", "low_confidence_dynamic"), "strategy",
+           self.strategy, "expected low_confidence_static or low_confidence_dynamic")
+    if self.strategy == "low_confidence_dynamic":
+      _check(0 < self.threshold <= 1, "threshold", self.threshold,
+             "sampler.strategy=low_confidence_dynamic commits every token above it: set it in (0, 1]")
+    else:
+      _check(self.threshold == 0, "threshold", self.threshold,
+             "only sampler.strategy=low_confidence_dynamic commits by threshold (0 = off)")
+    _check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
+    _check(self.top_k >= 0, "top_k", self.top_k, "must be >= 0 (0 = all tokens)")
+    _check(0 < self.top_p <= 1, "top_p", self.top_p, "must lie in (0, 1]")
+
+  @classmethod
+  def from_config(cls, sampler: ml_collections.ConfigDict, temperature: float) -> SDARSampling:
+    _check(sampler.cache == "none", "cache", sampler.cache,
+           "SDAR decodes with its own KV cache; the block-wise cache is LLaDA's (set none)")
+    _check(not sampler.cfg_scale, "cfg_scale", sampler.cfg_scale,
+           "the SDAR sampler has no classifier-free guidance (set 0)")
+    return cls(gen_length=sampler.gen_length, block_length=sampler.block_length,
+               steps=sampler.steps, strategy=sampler.strategy, threshold=sampler.threshold,
+               temperature=temperature, top_k=sampler.top_k, top_p=sampler.top_p)
+
+  @property
+  def fast(self) -> bool:
+    """Whether more than the scheduled tokens can be committed per step (threshold commits)."""
+    return self.strategy == "low_confidence_dynamic"
+
+  def exact(self) -> SDARSampling:
+    return dataclasses.replace(self, strategy="low_confidence_static", threshold=0.0)
+
+  @property
+  def label(self) -> str:
+    if self.fast:
+      return f"sdar {self.strategy} threshold={self.threshold}"
+    return f"sdar {self.strategy}"
+
+
+def sampling_from_config(c: ml_collections.ConfigDict, temperature: float):
+  """The family's sampler settings of `config.sampler` at `temperature`."""
+  cls = LLaDASampling if c.family == "llada" else SDARSampling
+  return cls.from_config(c.sampler, temperature)
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+class Rollout(NamedTuple):
+  """What a sampler returns. Slots are the family's layout (module docstring)."""
+  tokens_BxL: Array          # int32 prompt + completion; after the first stop token: pad_id
+  positions_BxL: Array       # int32 position of each slot (row's first real token = 0)
+  valid_BxL: Array           # bool, real tokens (prompt and generated, before truncation)
+  prompt_mask_BxL: Array     # bool, prompt tokens
+  completion_mask_BxL: Array  # bool, generated tokens up to and including the first stop token
+  completion_BxC: Array      # int32 the generated tokens of each row, left-aligned
+  completion_mask_BxC: Array  # bool, same as completion_mask_BxL in that layout
+  lengths_B: Array           # int32 completion length (stop token included)
+  commit_step_BxL: Array     # int32 decoding step that committed each slot; -1 for the rest
+  forwards_B: Array          # int32 model forwards the row took part in (guidance copies count)
+  forward_tokens_B: Array    # int32 tokens those forwards processed for the row
+
+
+def _gather_completion(tokens_BxL, completion_BxL, gen_start_B, gen_length):
+  idx_BxC = gen_start_B[:, None] + jnp.arange(gen_length)[None, :]
+  idx_BxC = jnp.minimum(idx_BxC, tokens_BxL.shape[1] - 1)
+  return (jnp.take_along_axis(tokens_BxL, idx_BxC, axis=1),
+          jnp.take_along_axis(completion_BxL, idx_BxC, axis=1))
+
+
+def finish(tokens, positions, valid, prompt_mask, generated, gen_start_B, gen_length, stop_ids,
+           pad_id, commit_step, forwards, forward_tokens) -> Rollout:
+  """The `Rollout` of a finished decode: stop truncation, padding, the left-aligned completions."""
+  tokens, completion = decoding.truncate_after_stop(tokens, generated, stop_ids, pad_id)
+  tokens = jnp.where(valid, tokens, pad_id)
+  comp_BxC, comp_mask_BxC = _gather_completion(tokens, completion, gen_start_B, gen_length)
+  return Rollout(tokens, positions, valid, prompt_mask, completion, comp_BxC, comp_mask_BxC,
+                 jnp.sum(completion, axis=-1).astype(jnp.int32), commit_step,
+                 jnp.full(gen_start_B.shape, forwards, jnp.int32),
+                 jnp.full(gen_start_B.shape, forward_tokens, jnp.int32))
+
+
+def llada_layout(prompt_BxP: Array, prompt_valid_BxP: Array, gen_length: int, mask_id: int):
+  """`(tokens, positions, valid, prompt_mask)` for `[pads | prompt | gen_length masks]`."""
+  b, p = prompt_BxP.shape
+  valid_prompt = prompt_valid_BxP.astype(bool)
+  tokens = jnp.concatenate([prompt_BxP.astype(jnp.int32),
+                            jnp.full((b, gen_length), mask_id, jnp.int32)], axis=1)
+  valid = jnp.concatenate([valid_prompt, jnp.ones((b, gen_length), bool)], axis=1)
+  positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0).astype(jnp.int32)
+  prompt_mask = jnp.concatenate([valid_prompt, jnp.zeros((b, gen_length), bool)], axis=1)
+  return tokens, positions, valid, prompt_mask
+
+
+def sdar_layout(prompt_BxP: Array, prompt_valid_BxP: Array, gen_length: int, block_size: int,
+                mask_id: int):
+  """Block-aligned layout; returns `(tokens, positions, valid, prompt_mask, generated,
+  first_block, num_blocks)`: the first generated block index (same for all rows) and the total.
+
+  Static sizes come from `P`: rows are shifted right by whole blocks so that the block holding
+  their first generated token is block `first_block = ceil((P+1)/B) - 1` (what the longest prompt
+  `P` would need).
+  """
+  b, p = prompt_BxP.shape
+  bs = block_size
+  valid_prompt = prompt_valid_BxP.astype(bool)
+  plen_B = jnp.sum(valid_prompt, axis=1).astype(jnp.int32)
+  first_block = p // bs  # block of position P: the worst case over rows
+  # A row whose prompt fills r = plen mod B slots of its last block ends (r + C - 1) // B blocks
+  # after it; r <= B - 1 bounds every row.
+  num_blocks = first_block + (min(bs - 1, p) + gen_length - 1) // bs + 1
+  t = num_blocks * bs
+  shift_B = (first_block - plen_B // bs) * bs  # slot of position 0, a whole number of blocks
+  slot_1xL = jnp.arange(t, dtype=jnp.int32)[None, :]
+  pos_BxL = slot_1xL - shift_B[:, None]
+  is_prompt = (pos_BxL >= 0) & (pos_BxL < plen_B[:, None])
+  generated = (pos_BxL >= plen_B[:, None]) & (pos_BxL < plen_B[:, None] + gen_length)
+  # Prompt token at position q sits in column q + (P - plen) of the left-padded input.
+  col_BxL = jnp.clip(pos_BxL + (p - plen_B)[:, None], 0, p - 1)
+  prompt_tokens = jnp.take_along_axis(prompt_BxP.astype(jnp.int32), col_BxL, axis=1)
+  tokens = jnp.where(is_prompt, prompt_tokens, mask_id)
+  valid = is_prompt | generated
+  return (tokens, jnp.maximum(pos_BxL, 0), valid, is_prompt, generated, first_block, num_blocks)
+
+
+class Sequences(NamedTuple):
+  """A batch of prompt + completion in the family's layout: a rollout's (`from_rollout`) or a
+  demonstration's (`teacher_forced`)."""
+  tokens_BxL: Array
+  positions_BxL: Array
+  valid_BxL: Array       # real tokens
+  prompt_BxL: Array      # prompt tokens
+  completion_BxL: Array  # the generated region (noised by estimators)
+  counted_BxL: Array     # completion positions that count (up to the first stop token)
+
+
+def from_rollout(rollout: Rollout) -> Sequences:
+  completion = rollout.valid_BxL & ~rollout.prompt_mask_BxL
+  return Sequences(rollout.tokens_BxL, rollout.positions_BxL, rollout.valid_BxL,
+                   rollout.prompt_mask_BxL, completion, rollout.completion_mask_BxL)
+
+
+def teacher_forced(prompt_BxP: Array, prompt_valid_BxP: Array, completion_BxC: Array, *,
+                   family: str, block_size: int | None, mask_id: int) -> Sequences:
+  """Prompts and given completions in the sampler's layout (SFT data), every completion slot
+  counted (stop-token padding included, so the model learns to stop)."""
+  g = completion_BxC.shape[1]
+  if family == "llada":
+    tokens, positions, valid, prompt = llada_layout(prompt_BxP, prompt_valid_BxP, g, mask_id)
+    generated = valid & ~prompt
+    start_B = jnp.full((tokens.shape[0],), prompt_BxP.shape[1], jnp.int32)
+  else:
+    tokens, positions, valid, prompt, generated, _, _ = sdar_layout(
+        prompt_BxP, prompt_valid_BxP, g, block_size, mask_id)
+    start_B = jnp.argmax(generated, axis=1).astype(jnp.int32)
+  offset_BxL = jnp.clip(jnp.arange(tokens.shape[1])[None, :] - start_B[:, None], 0, g - 1)
+  filled = jnp.take_along_axis(completion_BxC.astype(jnp.int32), offset_BxL, axis=1)
+  tokens = jnp.where(generated, filled, tokens)
+  return Sequences(tokens, positions, valid, prompt, generated, generated)

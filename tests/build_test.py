@@ -1,0 +1,81 @@
+"""Tests for stabledrl_jax.build's settings: every section's settings class built from the config,
+each bad value a one-line error naming its key."""
+import pytest
+
+from stabledrl_jax import build, config_lib
+
+
+def config(family="sdar", **edits):
+  c = config_lib.base_config(family)
+  for key, value in edits.items():
+    group, name = key.split("__")
+    c[group][name] = value
+  return c
+
+
+@pytest.mark.parametrize("family,edits,named", [
+    ("llada", {"sampler__top_k": 5}, "sampler.top_k"),
+    ("sdar", {"sampler__top_p": 0.0}, "sampler.top_p"),
+    ("sdar", {"sampler__cfg_scale": 1.0}, "sampler.cfg_scale"),
+    ("sdar", {"rl__epsilon_high": 0.3}, "rl.epsilon_high"),  # stabledrl has no upper PPO clip
+    ("sdar", {"stability__kl_consecutive": 0}, "stability.kl_consecutive"),
+    ("sdar", {"stability__kl_metric": "kl_k2"}, "stability.kl_metric"),
+])
+def test_new_keys_are_checked_and_named(family, edits, named):
+  with pytest.raises(ValueError, match="^config." + named.replace(".", r"\.") + "="):
+    build.settings(config(family, **edits))
+
+
+def test_settings_carry_the_config_values():
+  c = config("sdar", rl__objective="grpo", rl__epsilon_high=0.28, sampler__top_k=3,
+             stability__kl_consecutive=5, stability__kl_metric="kl_k1")
+  s = build.settings(c)
+  obj = s.rl.objective
+  assert obj.epsilon_high == 0.28 and obj.block_size == 4 and obj.staircase
+  assert obj.epsilon == c.rl.ppo_epsilon  # GRPO clips at the PPO ε
+  assert s.rl.sampling.top_k == 3 and s.rl.sampling.temperature == 0.7
+  assert s.eval_sampling.temperature == 0
+  assert (s.monitor.kl_consecutive, s.monitor.kl_metric, s.monitor.entropy_band) == (5, "kl_k1", True)
+  assert not s.controls.moves_epsilon
+  assert (s.controls.clip_low, s.controls.clip_high) == (c.stability.clip_low, c.stability.clip_high)
+  llada = build.settings(config("llada"))
+  assert llada.rl.objective.block_size == 4 and not llada.rl.objective.staircase
+  assert llada.rl.objective.epsilon_high is None and llada.rl.objective.epsilon == 5.0
+
+
+def test_sdar_dynamic_strategy_needs_its_threshold_and_evaluation_decodes_exactly():
+  c = config("sdar", sampler__strategy="low_confidence_dynamic")
+  with pytest.raises(ValueError, match=r"^config\.sampler\.threshold=0\.0: .*low_confidence_dynamic"):
+    build.settings(c)  # 0 is off everywhere: no silent default takes its place
+  c.sampler.threshold = 0.9
+  s = build.settings(c)
+  assert (s.rl.sampling.strategy, s.rl.sampling.threshold) == ("low_confidence_dynamic", 0.9)
+  assert (s.eval_sampling.strategy, s.eval_sampling.threshold) == ("low_confidence_static", 0.0)
+  c.eval.fast = True
+  assert build.settings(c).eval_sampling.threshold == 0.9
+
+
+def test_settings_name_bad_values():
+  for family, edits, named in (
+      ("sdar", {"rl.accumulation": 3}, "rl.accumulation"),
+      ("sdar", {"rl.p_mask_prompt": 0.15}, "rl.p_mask_prompt"),
+      ("llada", {"sampler.steps": 7}, "sampler.steps"),
+      ("sdar", {"rl.adversarial": 1.5}, "rl.adversarial"),
+      ("sdar", {"controls.drift": True, "rl.objective": "wd1"}, "controls.drift"),
+      ("sdar", {"controls.adaptive_epsilon": True, "rl.max_ratio": 5.0}, "controls.adaptive_epsilon"),
+      ("sdar", {"controls.adaptive_epsilon": True, "controls.epsilon_schedule": True},
+       "controls.adaptive_epsilon"),
+      ("sdar", {"stability.clip_low": 0.2}, "stability.clip_high"),
+      ("sdar", {"controls.drift_metric": "kl"}, "controls.drift_metric"),
+      ("sdar", {"sampler.strategy": "low_confidence_dynamic"}, "sampler.threshold"),
+      ("sdar", {"sampler.threshold": 0.9}, "sampler.threshold"),
+      ("sdar", {"rl.objective": "bogus"}, "rl.objective"),
+      ("sdar", {"task.name": "bogus"}, "task.name")):
+    c = config_lib.base_config(family)
+    for key, value in edits.items():
+      section, name = key.split(".")
+      c[section][name] = value
+    with pytest.raises(ValueError, match=f"^config.{named}="):
+      build.settings(c)
+  with pytest.raises(ValueError, match="bogus"):
+    config_lib.apply_preset(config_lib.base_config("llada"), "bogus")
