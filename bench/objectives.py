@@ -111,7 +111,7 @@ def diff_std(values: list[float]) -> float:
   return statistics.pstdev(b - a for a, b in zip(v, v[1:]))
 
 
-def reward_curve(evals: list[dict], first_rl_step: int) -> list[tuple[int, float]]:
+def held_out_curve(evals: list[dict], first_rl_step: int) -> list[tuple[int, float]]:
   """(RL steps done, held-out mean reward) for every evaluation of the RL stage, in order: "before RL"
   is 0, "after N RL steps" N, "after RL" the run's length."""
   points = []
@@ -130,7 +130,7 @@ def summarise_rows(rows: list[dict], evals: list[dict]) -> dict[str, Any]:
   top = [as_float(r.get("grad_norm_max", r["grad_norm"])) for r in rl]
   reward = [as_float(r["reward_mean"]) for r in rl]
   first = rl[0]["step"] if rl else 0
-  acc = reward_curve(evals, first)
+  acc = held_out_curve(evals, first)
   tags = {e["tag"]: as_float(e["mean_reward"]) for e in evals}
   events = collections.Counter(name for r in rl for name in r.get("events", []))
   return {
@@ -142,7 +142,7 @@ def summarise_rows(rows: list[dict], evals: list[dict]) -> dict[str, Any]:
       "norm_max": max(finite(top), default=math.nan),
       "nonfinite": sum(not math.isfinite(n) for n in top),
       "reward_smoothness": diff_std(reward),
-      "reward_smoothness": diff_std([a for _, a in acc]),
+      "held_out_smoothness": diff_std([a for _, a in acc]),
       "collapses": sum(n for name, n in events.items() if name.endswith("_collapse")),
       "kl_alarms": events.get("kl_alarm", 0),
       "events": dict(events),
@@ -152,7 +152,7 @@ def summarise_rows(rows: list[dict], evals: list[dict]) -> dict[str, Any]:
                             if e["tag"] == "after RL" and "accuracy" in e), math.nan),
       "reward_first": statistics.fmean(reward[:EDGE_STEPS]) if reward else math.nan,
       "reward_last": statistics.fmean(reward[-EDGE_STEPS:]) if reward else math.nan,
-      "reward_curve": acc,
+      "held_out_curve": acc,
       "norm_curve": [(r["step"] - first + 1, n) for r, n in zip(rl, top)],
   }
 
@@ -252,7 +252,7 @@ COLUMNS = (  # (summary key, header, format)
     ("explosion_rate", "explosion rate", ".3f"), ("norm_mean", "mean ‖g‖", ".3g"),
     ("norm_median", "median ‖g‖", ".3g"), ("norm_max", "max ‖g‖", ".3g"),
     ("nonfinite", "non-finite steps", ".3g"), ("reward_smoothness", "σ Δreward", ".3f"),
-    ("reward_smoothness", "σ Δheld-out", ".3f"), ("collapses", "collapse events", ".3g"),
+    ("held_out_smoothness", "σ Δheld-out", ".3f"), ("collapses", "collapse events", ".3g"),
     ("kl_alarms", "KL alarms", ".3g"), ("before", "mean reward before RL", ".3f"),
     ("after", "mean reward after RL", ".3f"), ("solved_after", "accuracy after RL", ".3f"),
     ("reward_first", "reward first 10", ".3f"),
@@ -281,11 +281,11 @@ def table(results: dict[tuple[str, str], list[dict]], planned: int) -> str:
   return "\n".join(lines)
 
 
-def reward_table(results: dict[tuple[str, str], list[dict]]) -> str:
+def held_out_table(results: dict[tuple[str, str], list[dict]]) -> str:
   """Markdown: held-out mean reward (mean over seeds) at every evaluation, one column per row of
   `table`."""
   keys = [k for k, v in results.items() if v]
-  curves = {k: dict((x, y) for x, y, _ in mean_curve([s["reward_curve"] for s in results[k]]))
+  curves = {k: dict((x, y) for x, y, _ in mean_curve([s["held_out_curve"] for s in results[k]]))
             for k in keys}
   steps = sorted({x for c in curves.values() for x in c})
   head = ["RL step", *(f"{r} {LABELS.get(v, v)}" for r, v in keys)]
@@ -315,7 +315,7 @@ def plot(results: dict[tuple[str, str], list[dict]], path: str) -> None:
       if bad:
         top = max(finite(y for _, y, _ in norms) + [1.0])
         norm_ax.plot(bad, [top * 10] * len(bad), "x", color=line.get_color(), ms=6)
-      acc = mean_curve([s["reward_curve"] for s in summaries])
+      acc = mean_curve([s["held_out_curve"] for s in summaries])
       acc_ax.plot([x for x, _, _ in acc], [y for _, y, _ in acc], "o-", ms=3, lw=1,
                   color=line.get_color(), label=label)
     norm_ax.set(yscale="log", xlabel="RL step",
@@ -378,7 +378,7 @@ def collect(runs: list[Run], root: str, sfts: dict[int, str]
 
 def report(results, problems: list[str], settings: dict[str, dict], extras: list[str],
            args: argparse.Namespace, planned: int) -> str:
-  """ROOT/objectives.md: the date and command, the regimes, `table` and `reward_table`."""
+  """ROOT/objectives.md: the date and command, the regimes, `table` and `held_out_table`."""
   name = os.path.splitext(os.path.basename(args.config.partition(":")[0]))[0]
   lines = [f"# Objectives over long RL runs ({name})", "",
            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: `{shlex.join(sys.orig_argv)}`",
@@ -395,7 +395,7 @@ def report(results, problems: list[str], settings: dict[str, dict], extras: list
             "the finite norms; σ Δ: standard deviation of the step-to-step changes of the mean "
             "training reward and of the held-out mean reward curve.", "", table(results, planned),
             "", "Held-out mean reward at each evaluation (mean over seeds):", "",
-            reward_table(results)]
+            held_out_table(results)]
   lines += ["", *(f"**{p}**" for p in problems)] if problems else []
   return "\n".join(lines) + "\n"
 

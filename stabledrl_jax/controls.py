@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from stabledrl_jax.detectors import TROUBLESHOOTING, _Stateful, check_clip_band
+from stabledrl_jax.detectors import TROUBLESHOOTING, Stateful, check_clip_band
 
 # ----------------------------------------------------------------------------- ε
 
@@ -51,7 +51,7 @@ def _bisect_log(f, lo: float, hi: float, increasing: bool) -> float:  # monotone
 
 
 @dataclasses.dataclass
-class AdaptiveEpsilon(_Stateful):
+class AdaptiveEpsilon(Stateful):
   """Every `every` steps, steer ε so that the clip fraction returns to the band's midpoint.
 
   Model: log ratios `ℓ ~ N(0, σ²)` (log-normal ratios), clipped to `[log(1-ε), log(1+ε)]`. The
@@ -124,7 +124,7 @@ def lr_brake(lr: float, drift: float, threshold: float) -> float:
 
 
 @dataclasses.dataclass
-class DriftControl(_Stateful):
+class DriftControl(Stateful):
   """Drift-aware ε and learning-rate brake driven by an EMA of the KL estimate (`decay` 0 = none)."""
   threshold: float
   alpha: float

@@ -105,7 +105,7 @@ def _event(row: str, step: int, what: str) -> Event:
   return Event(row, step, f"{what} — see troubleshooting row '{row}': {TROUBLESHOOTING[row].fix}")
 
 
-class _Stateful:
+class Stateful:
   """`state_dict` / `load_state_dict` over the dataclass fields listed in `_STATE`."""
   _STATE: tuple[str, ...] = ()
 
@@ -121,7 +121,7 @@ class _Stateful:
 
 
 @dataclasses.dataclass
-class BandDetector(_Stateful):
+class BandDetector(Stateful):
   """Fires when a metric leaves its running band: `|x - μ| > z·max(σ, min_std)`.
 
   `μ`, `σ²` are exponential moving averages (`decay`) of healthy values only: the band freezes
@@ -166,7 +166,7 @@ class BandDetector(_Stateful):
 
 
 @dataclasses.dataclass
-class ThresholdAlarm(_Stateful):
+class ThresholdAlarm(Stateful):
   """Fires once when `metric` is outside `[low, threshold]` for `consecutive` steps in a row.
 
   It re-arms when the metric returns inside. A non-finite value counts as outside (something

@@ -42,6 +42,11 @@ class Spec(NamedTuple):
 OBJECTIVES: dict[str, Spec] = {}
 
 
+def _check(ok: bool, key: str, value, why: str) -> None:
+  if not ok:
+    raise ValueError(f"config.rl.{key}={value!r}: {why}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Objective:
   """`config.rl` as the objective's static settings (`from_config`; the defaults are the
@@ -63,27 +68,24 @@ class Objective:
   adversarial: float        # > 0: docs/method.md §8's ratio explosion on this fraction of the rollouts
 
   def __post_init__(self):
-    def check(ok, key, value, why):
-      if not ok:
-        raise ValueError(f"config.rl.{key}={value!r}: {why}")
-    check(self.name in OBJECTIVES, "objective", self.name, f"expected one of {tuple(OBJECTIVES)}")
-    check(self.scheme in estimators.SCHEMES, "scheme", self.scheme,
-          f"expected one of {estimators.SCHEMES}")
-    check(self.coupling in ("coupled", "independent"), "coupling", self.coupling,
-          "expected 'coupled' or 'independent'")
-    check(self.group_size >= 1, "group_size", self.group_size, "must be >= 1")
-    check(self.num_samples >= 1, "num_samples", self.num_samples, "must be >= 1")
-    check(self.epsilon >= 0, "epsilon", self.epsilon, "must be >= 0")
-    check(self.max_ratio is None or self.max_ratio > 0, "max_ratio", self.max_ratio,
-          "must be > 0 (0 in the config = use epsilon)")
-    check(self.epsilon_high is None or (self.epsilon_high > 0 and self.spec.clip_higher),
-          "epsilon_high", self.epsilon_high,
-          f"rl.objective={self.name!r} has no upper clip of its own (GRPO has)")
-    check(0 <= self.p_mask_prompt <= 1, "p_mask_prompt", self.p_mask_prompt, "must lie in [0, 1]")
-    check(not (self.staircase and self.p_mask_prompt), "p_mask_prompt", self.p_mask_prompt,
-          "block diffusion never noises the prompt; set 0")
-    check(0 <= self.adversarial <= 1, "adversarial", self.adversarial,
-          "must lie in [0, 1] (the fraction of rollouts; docs/method.md §8 uses 0.7)")
+    _check(self.name in OBJECTIVES, "objective", self.name, f"expected one of {tuple(OBJECTIVES)}")
+    _check(self.scheme in estimators.SCHEMES, "scheme", self.scheme,
+           f"expected one of {estimators.SCHEMES}")
+    _check(self.coupling in ("coupled", "independent"), "coupling", self.coupling,
+           "expected 'coupled' or 'independent'")
+    _check(self.group_size >= 1, "group_size", self.group_size, "must be >= 1")
+    _check(self.num_samples >= 1, "num_samples", self.num_samples, "must be >= 1")
+    _check(self.epsilon >= 0, "epsilon", self.epsilon, "must be >= 0")
+    _check(self.max_ratio is None or self.max_ratio > 0, "max_ratio", self.max_ratio,
+           "must be > 0 (0 in the config = use epsilon)")
+    _check(self.epsilon_high is None or (self.epsilon_high > 0 and self.spec.clip_higher),
+           "epsilon_high", self.epsilon_high,
+           f"rl.objective={self.name!r} has no upper clip of its own (GRPO has)")
+    _check(0 <= self.p_mask_prompt <= 1, "p_mask_prompt", self.p_mask_prompt, "must lie in [0, 1]")
+    _check(not (self.staircase and self.p_mask_prompt), "p_mask_prompt", self.p_mask_prompt,
+           "block diffusion never noises the prompt; set 0")
+    _check(0 <= self.adversarial <= 1, "adversarial", self.adversarial,
+           "must lie in [0, 1] (the fraction of rollouts; docs/method.md §8 uses 0.7)")
 
   @property
   def spec(self) -> Spec:
@@ -120,17 +122,14 @@ class Settings:
   max_prompt_draws: int
 
   def __post_init__(self):
-    def check(ok, key, value, why):
-      if not ok:
-        raise ValueError(f"config.rl.{key}={value!r}: {why}")
     for key in ("prompts_per_step", "updates_per_batch", "accumulation", "max_prompt_draws"):
-      check(getattr(self, key) >= 1, key, getattr(self, key), "must be >= 1")
-    check(self.prompts_per_step % self.accumulation == 0, "accumulation", self.accumulation,
-          f"must divide rl.prompts_per_step={self.prompts_per_step} (micro-batches hold whole groups)")
-    check(self.advantage in ("mean", "mean_std", "leave_one_out"), "advantage", self.advantage,
-          "expected mean, mean_std or leave_one_out")
-    check(isinstance(self.filter_zero_advantage, bool), "filter_zero_advantage",
-          self.filter_zero_advantage, "expected True or False")
+      _check(getattr(self, key) >= 1, key, getattr(self, key), "must be >= 1")
+    _check(self.prompts_per_step % self.accumulation == 0, "accumulation", self.accumulation,
+           f"must divide rl.prompts_per_step={self.prompts_per_step} (micro-batches hold whole groups)")
+    _check(self.advantage in ("mean", "mean_std", "leave_one_out"), "advantage", self.advantage,
+           "expected mean, mean_std or leave_one_out")
+    _check(isinstance(self.filter_zero_advantage, bool), "filter_zero_advantage",
+           self.filter_zero_advantage, "expected True or False")
 
   @classmethod
   def from_config(cls, c) -> Settings:

@@ -50,7 +50,7 @@ def test_the_median_runs_with_the_steps():
   assert bench.explosions([0.0, 11.0], [0.0, 1.0]) == [False, True]
 
 
-def test_diff_std_and_the_reward_curve():
+def test_diff_std_and_the_held_out_curve():
   # Changes 0.2, -0.1, 0.2: mean 0.1, deviations 0.1, -0.2, 0.1, variance 0.06 / 3.
   assert bench.diff_std([0.1, 0.3, 0.2, 0.4]) == pytest.approx(math.sqrt(0.02))
   assert bench.diff_std([0.5, 0.5, 0.5]) == 0.0
@@ -59,7 +59,7 @@ def test_diff_std_and_the_reward_curve():
            {"tag": "before RL", "step": 5, "mean_reward": 0.2},
            {"tag": "after 2 RL steps", "step": 6, "mean_reward": 0.3},
            {"tag": "after RL", "step": 8, "mean_reward": 0.5}]
-  assert bench.reward_curve(evals, first_rl_step=5) == [(0, 0.2), (2, 0.3), (4, 0.5)]
+  assert bench.held_out_curve(evals, first_rl_step=5) == [(0, 0.2), (2, 0.3), (4, 0.5)]
 
 
 def _rows(n, sft=2, **per_step):
@@ -86,11 +86,11 @@ def test_summarise_rows_by_hand():
   assert (s["norm_mean"], s["norm_median"], s["norm_max"], s["nonfinite"]) == (1.0, 1.0, 30.0, 2)
   assert s["reward_first"] == pytest.approx(0.45) and s["reward_last"] == pytest.approx(0.65)
   assert s["reward_smoothness"] == pytest.approx(0.0, abs=1e-12)  # rewards rise by 0.1 each step
-  assert s["accuracy_smoothness"] == pytest.approx(0.25)  # changes +0.25, -0.25
+  assert s["held_out_smoothness"] == pytest.approx(0.25)  # changes +0.25, -0.25
   assert s["events"] == {"kl_alarm": 2, "low_entropy_collapse": 1}
   assert (s["collapses"], s["kl_alarms"]) == (1, 2)
   assert (s["before"], s["after"]) == (0.25, 0.25)
-  assert s["reward_curve"] == [(0, 0.25), (6, 0.5), (12, 0.25)]
+  assert s["held_out_curve"] == [(0, 0.25), (6, 0.5), (12, 0.25)]
   assert s["norm_curve"][0] == (1, 2.0) and math.isnan(s["norm_curve"][1][1])
 
 
