@@ -57,7 +57,7 @@ def test_smoke_preset_trains_end_to_end(config, tmp_path):
   assert rows[5]["loss"] < rows[0]["loss"] * 1.5 and np.isfinite([r["loss"] for r in rows]).all()
   tags = [e["tag"] for e in read_jsonl(tmp_path / "eval.jsonl")]
   assert tags[0] == "before RL" and tags[-1] == "after RL"
-  assert "held-out accuracy before RL" in out.stdout
+  assert "held-out before RL -> after RL: mean reward" in out.stdout
   assert (tmp_path / "curves.png").stat().st_size > 1000
   assert any((tmp_path / "tb").iterdir())
   assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [7, 11]
