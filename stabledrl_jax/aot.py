@@ -10,8 +10,9 @@ total against the chip's HBM) and XLA's cost estimate, and exits 1 when either p
 `--topology=cpu:N` compiles for N local CPU devices instead (for tests; HBM from `--hbm_gib`).
 
 The model shapes come from `model.checkpoint`'s config.json when that directory exists, else (a
-path not on this host, as in the `8b` presets) from the family's 8B preset (`models.llada_8b` /
-`models.sdar_8b`), else from the config's own tiny model.
+path not on this host, as in the `8b` / `7b` presets) from the family's checkpoint preset
+(`CHECKPOINT_PRESETS`: `models.llada_8b`, `models.sdar_8b`, `models.dream_7b`), else from the
+config's own tiny model.
 """
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ PROGRAMS = ("rl_step", "sampler")
 HBM_GIB = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5e": 16, "TPU v5": 95, "TPU v5p": 95,
            "TPU v6 lite": 32, "TPU v6e": 32, "TPU7x": 192}
 GIB = 2**30
+# The model preset of each family's checkpoint config preset (`8b`, `7b`).
+CHECKPOINT_PRESETS = {"llada": "llada_8b", "sdar": "sdar_8b", "dream": "dream_7b"}
 
 
 def topology_devices(name: str) -> list:
@@ -61,9 +64,9 @@ def model_config(c) -> models.ModelConfig:
     cfg = models.config_from_hf(models.huggingface.read_hf_config(c.model.checkpoint),
                                 compute_dtype=c.model.compute_dtype)
     return models.replace(cfg, **models.runtime_options(c.model))
-  if c.model.checkpoint:  # the 8b presets, with a checkpoint path that is not on this host
-    make = models.llada_8b if c.family == "llada" else models.sdar_8b
-    return make(compute_dtype=c.model.compute_dtype, **models.runtime_options(c.model))
+  if c.model.checkpoint:  # the 8b / 7b presets, with a checkpoint path that is not on this host
+    return models.preset(CHECKPOINT_PRESETS[c.family], compute_dtype=c.model.compute_dtype,
+                         **models.runtime_options(c.model))
   return nnx.eval_shape(lambda: build.model(c, build.tokenizer(c))).config
 
 
@@ -167,7 +170,7 @@ def check(c, devices: list, hbm_gib: float | None = None,
 
   b = c.rl.prompts_per_step * c.rl.group_size
   sampling = rollouts.sampling_from_config(c, c.sampler.temperature)
-  gen = samplers.llada_generate if c.family == "llada" else samplers.sdar_generate
+  gen = samplers.sampler_of(sampling)
   decode_mesh = build.rollout_mesh(c, mesh) or mesh  # config.rollout_mesh, if set
   if decode_mesh is not mesh:
     results["rollout_mesh"] = dict(decode_mesh.shape)

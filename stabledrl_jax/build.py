@@ -15,7 +15,7 @@ from jax.experimental import multihost_utils
 
 from stabledrl_jax import (config_lib, controls, detectors, distributed, models, rl, rollouts,
                            sft, sharding, tasks)
-from stabledrl_jax.rollouts import LLaDASampling, SDARSampling
+from stabledrl_jax.rollouts import DreamSampling, LLaDASampling, SDARSampling
 from stabledrl_jax.tasks import datasets, pipeline
 from stabledrl_jax.tasks.tokenizer import CharTokenizer, HFTokenizer
 
@@ -24,7 +24,7 @@ class Settings(NamedTuple):
   """The config as the typed settings the run's modules take (`settings`)."""
   sft: sft.Settings
   rl: rl.Settings
-  eval_sampling: LLaDASampling | SDARSampling  # greedy; exact unless eval.fast
+  eval_sampling: LLaDASampling | SDARSampling | DreamSampling  # greedy; exact unless eval.fast
   monitor: detectors.MonitorConfig
   controls: controls.ControlConfig
 
@@ -93,15 +93,17 @@ def model(c: ml_collections.ConfigDict, tokenizer, mesh=None) -> nnx.Module:
                                       mesh=mesh if mesh is not None and mesh.size > 1 else None,
                                       options=models.runtime_options(c.model))
     return model
-  sdar = c.family == "sdar"
+  family = models.family_options(c.family)  # model_type, q/k norm, no block for full attention
+  if c.family == "sdar":
+    family["block_size"] = c.sampler.block_length
   cfg = models.preset(
-      c.model.preset, family=c.family, model_type=c.family, vocab_size=tokenizer.vocab_size,
+      c.model.preset, vocab_size=tokenizer.vocab_size,
       d_model=c.model.d_model, n_layers=c.model.n_layers, n_heads=c.model.n_heads,
       n_kv_heads=c.model.n_kv_heads, head_dim=c.model.d_model // c.model.n_heads,
-      mlp_dim=c.model.mlp_dim, qk_norm=sdar, mask_token_id=tokenizer.mask_id,
+      mlp_dim=c.model.mlp_dim, mask_token_id=tokenizer.mask_id,
       eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
-      stop_token_ids=(tokenizer.eos_id,), block_size=c.sampler.block_length if sdar else None,
-      compute_dtype=c.model.compute_dtype, **models.runtime_options(c.model))
+      stop_token_ids=(tokenizer.eos_id,), compute_dtype=c.model.compute_dtype,
+      **family, **models.runtime_options(c.model))
   if mesh is not None and mesh.size > 1:
     return sharding.create_model(cfg, c.seed, mesh)
   return models.create(cfg, seed=c.seed)

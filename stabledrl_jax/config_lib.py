@@ -2,11 +2,11 @@
 (`base_config`), its presets (`presets`) and the checks of the keys no settings class owns
 (`validate`).
 
-`configs/llada.py` and `configs/sdar.py` build on `base_config(family)`. The dict is locked, so an
+`configs/llada.py`, `configs/sdar.py` and `configs/dream.py` build on `base_config(family)`. The dict is locked, so an
 override of a key that does not exist fails in `config_flags` and names the key. Each module that
 consumes a section owns a typed, frozen settings class built from it (`from_config`) that checks
 its values with one-line errors naming the key: `rl.Settings` / `rl.Objective` (`rl`),
-`rollouts.LLaDASampling` / `SDARSampling` (`sampler`), `sft.Settings` (`sft`),
+`rollouts.LLaDASampling` / `SDARSampling` / `DreamSampling` (`sampler`), `sft.Settings` (`sft`),
 `detectors.MonitorConfig` (`stability`), `controls.ControlConfig` (`controls`); `build.settings`
 builds them all before anything is compiled or written. This module imports none of them.
 """
@@ -17,6 +17,7 @@ import os
 
 import ml_collections
 
+from stabledrl_jax.models.config import FAMILIES
 from stabledrl_jax.presets import PRESETS, apply_preset, official_gsm8k  # noqa: F401 (the configs' API)
 
 
@@ -51,10 +52,13 @@ def resolve_config_flags(argv: list[str], flag: str = "config") -> list[str]:
 
 
 def base_config(family: str) -> ml_collections.ConfigDict:
-  """Defaults shared by both families: the tiny CPU run, clean SFT then RL on sorting digits."""
+  """Defaults shared by every family: the tiny CPU run, clean SFT then RL on sorting digits.
+  Dream (full attention, like LLaDA) takes LLaDA's defaults wherever the families differ."""
   c = ml_collections.ConfigDict()
   c.seed = 0
-  c.family = family  # "llada" (full attention) or "sdar" (block diffusion)
+  # "llada" (full attention), "sdar" (block diffusion) or "dream" (full attention, shifted
+  # prediction: models.config)
+  c.family = family
 
   c.model = ml_collections.ConfigDict()
   c.model.preset = "tiny"       # models.PRESETS name; shapes below override it
@@ -140,9 +144,11 @@ def base_config(family: str) -> ml_collections.ConfigDict:
 
   c.sampler = ml_collections.ConfigDict()
   c.sampler.gen_length = 12      # sorting: <answer>, 8 digits, </answer>, the stop token, a spare
-  c.sampler.steps = 4 if family == "sdar" else 12  # LLaDA: total; SDAR: per block (1 token a step)
+  # LLaDA, Dream: total; SDAR: per block (1 token a step)
+  c.sampler.steps = 4 if family == "sdar" else 12
   # The family's block: LLaDA's semi-autoregressive decoding block; SDAR's diffusion block
-  # (decoding, the likelihood's staircase, a new model's config).
+  # (decoding, the likelihood's staircase, a new model's config); Dream's likelihood blocks
+  # (rl.scheme=block_random), its sampler has none.
   c.sampler.block_length = 4
   c.sampler.temperature = 0.7   # rollouts; evaluation is greedy
   c.sampler.remasking = "low_confidence"   # LLaDA: low_confidence | random
@@ -152,8 +158,14 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   # (0 = off; SDAR: low_confidence_dynamic's, which needs it).
   c.sampler.cache = "none"
   c.sampler.threshold = 0.0
-  c.sampler.top_k = 0           # SDAR: sample among the k most likely tokens (0 = all)
-  c.sampler.top_p = 1.0         # SDAR: nucleus sampling mass (1 = all)
+  c.sampler.top_k = 0           # SDAR, Dream: sample among the k most likely tokens (0 = all)
+  c.sampler.top_p = 1.0         # SDAR, Dream: nucleus sampling mass (1 = all)
+  # Dream (its released `diffusion_generate`): which masked slots a step commits, origin (at
+  # random) | maskgit_plus (top probability) | topk_margin (top-1 minus top-2) | entropy
+  # (negative entropy); entropy is what Dream's and DiffuCoder's own examples decode with.
+  c.sampler.alg = "entropy"
+  c.sampler.alg_temp = 0.0      # Dream: > 0 draws the committed slots from softmax(confidence / it)
+  c.sampler.eps = 1e-3          # Dream: the last timestep of linspace(1, eps, steps + 1) (released)
   c.sampler.cfg_scale = 0.0     # LLaDA: classifier-free guidance scale (0 = none)
 
   c.eval = ml_collections.ConfigDict()
@@ -234,8 +246,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
       value = value[part]
     raise ValueError(f"config.{key}={value!r}: {why}")
 
-  if c.family not in ("llada", "sdar"):
-    bad("family", "expected 'llada' or 'sdar'")
+  if c.family not in FAMILIES:
+    bad("family", f"expected one of {', '.join(FAMILIES)}")
   for key in ("sft.steps", "rl.steps"):
     if c[key.split(".")[0]][key.split(".")[1]] < 0:
       bad(key, "must be >= 0")

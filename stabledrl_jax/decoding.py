@@ -1,4 +1,5 @@
-"""The decoding steps both samplers share: token choice, commit rules, stop handling.
+"""The decoding steps the samplers share (token choice, filtering, commit rules, stop handling),
+and Dream's own step (`dream_*`: its filtering order, confidences and commit counts).
 
 The random-number contract they follow is in `samplers`' module docstring (`uniforms` draws it).
 """
@@ -6,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -35,20 +37,32 @@ def gumbel_argmax(logits_BxLxV: Array, temperature: float, u_BxLxV: Array) -> Ar
   return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-def filter_logits(logits_BxLxV: Array, *, top_k: int = 0, top_p: float = 1.0) -> Array:
-  """Top-k then top-p (nucleus) filtering: filtered entries become -inf."""
+def top_k_filter(logits_BxLxV: Array, top_k: int) -> Array:
+  """Entries below the k-th largest become -inf (`top_k` 0: none)."""
   logits = logits_BxLxV.astype(jnp.float32)
-  if top_k > 0:
-    kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
-    logits = jnp.where(logits < kth, -jnp.inf, logits)
-  if top_p < 1.0:
-    sorted_desc = -jnp.sort(-logits, axis=-1)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the token that crosses it included).
-    kept = jnp.sum((jnp.cumsum(probs, axis=-1) - probs) < top_p, axis=-1, keepdims=True)
-    cutoff = jnp.take_along_axis(sorted_desc, jnp.maximum(kept - 1, 0), axis=-1)
-    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-  return logits
+  if top_k <= 0:
+    return logits
+  kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][..., -1:]
+  return jnp.where(logits < kth, -jnp.inf, logits)
+
+
+def top_p_filter(logits_BxLxV: Array, top_p: float, *, inclusive: bool = False) -> Array:
+  """Nucleus filtering: keep the most likely tokens while the mass before each is below `top_p`
+  (`inclusive`: at most `top_p`), so the token that crosses it is kept; the rest become -inf."""
+  logits = logits_BxLxV.astype(jnp.float32)
+  if top_p >= 1.0:
+    return logits
+  sorted_desc = -jnp.sort(-logits, axis=-1)
+  probs = jax.nn.softmax(sorted_desc, axis=-1)
+  before = jnp.cumsum(probs, axis=-1) - probs
+  kept = jnp.sum((before <= top_p) if inclusive else (before < top_p), axis=-1, keepdims=True)
+  cutoff = jnp.take_along_axis(sorted_desc, jnp.maximum(kept - 1, 0), axis=-1)
+  return jnp.where(logits < cutoff, -jnp.inf, logits)
+
+
+def filter_logits(logits_BxLxV: Array, *, top_k: int = 0, top_p: float = 1.0) -> Array:
+  """SDAR's filtering: top-k, then top-p of what is left. Filtered entries become -inf."""
+  return top_p_filter(top_k_filter(logits_BxLxV, top_k), top_p)
 
 
 def forbid(logits_BxLxV: Array, token_id: int) -> Array:
@@ -114,3 +128,78 @@ def stop_and_pad_ids(config, sampling) -> tuple[tuple[int, ...], int]:
   if sampling.pad_id is not None:
     return stop_ids, sampling.pad_id
   return stop_ids, config.pad_token_id if config.pad_token_id is not None else stop_ids[0]
+
+
+# ----------------------------------------------------------------------------- Dream
+
+# Dream's remasking rules, named as released: which masked slots a step commits.
+DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
+
+
+def dream_fractions(steps: int, eps: float) -> np.ndarray:
+  """`[steps]` float32: the fraction `1 - s/t` of the masked slots step i commits, with
+  `t, s` = timesteps i, i + 1 of `linspace(1, eps, steps + 1)`, and 1 at the last step.
+
+  The arithmetic is the released sampler's, in float32, so that `⌊m · fraction⌋` rounds as it
+  does: torch's float32 `linspace` (a float32 step; each value `start + step·i`, in the upper
+  half `end - step·(n - 1 - i)`, rounded once), then `1 - s/t` in float32.
+  """
+  n = steps + 1
+  start, end = np.float32(1.0), np.float32(eps)
+  step = np.float32(end - start) / np.float32(max(n - 1, 1))
+  i = np.arange(n)
+  lower = (np.float64(start) + np.float64(step) * i).astype(np.float32)
+  upper = (np.float64(end) - np.float64(step) * (n - 1 - i)).astype(np.float32)
+  t = np.where(i < n // 2, lower, upper)
+  fractions = np.float32(1.0) - (t[1:] / t[:-1]).astype(np.float32)
+  fractions[-1] = 1.0
+  return fractions.astype(np.float32)
+
+
+def dream_commit_count(num_masked_B: Array, fraction) -> Array:
+  """`⌊m · fraction⌋` in float32, as the released sampler counts (`int(m * (1 - s/t))`)."""
+  product = num_masked_B.astype(jnp.float32) * jnp.asarray(fraction, jnp.float32)
+  return jnp.floor(product).astype(jnp.int32)
+
+
+def dream_filter_logits(logits_BxLxV: Array, *, top_k: int = 0, top_p: float = 1.0) -> Array:
+  """Dream's filtering, in its order: top-p of the whole distribution (a token is kept while the
+  mass before it is at most `top_p`), then top-k."""
+  return top_k_filter(top_p_filter(logits_BxLxV, top_p, inclusive=True), top_k)
+
+
+def dream_choose_tokens(logits_BxGxV: Array, u_choice_BxGxV: Array, *, alg: str,
+                        temperature: float, top_k: int, top_p: float) -> tuple[Array, Array]:
+  """Dream's `sample_tokens`: `(x̂, confidence)` from the (unforbidden) logits of the generated
+  slots. The logits are divided by `temperature` (when > 0) and filtered (`dream_filter_logits`);
+  `x̂` is their argmax (greedy) or a draw from them by the Gumbel trick with `u_choice`. The
+  confidence, from the filtered probabilities: `x̂`'s probability (`maskgit_plus`, also returned
+  for `origin`, which does not use it), top-1 minus top-2 (`topk_margin`), or the negative entropy
+  `Σ p log(p + 1e-10)` (`entropy`)."""
+  logits = logits_BxGxV.astype(jnp.float32)
+  if temperature > 0:
+    logits = logits / temperature
+  logits = dream_filter_logits(logits, top_k=top_k, top_p=top_p)
+  probs = jax.nn.softmax(logits, axis=-1)
+  x0_BxG = gumbel_argmax(logits, 1.0 if temperature > 0 else 0.0, u_choice_BxGxV)
+  if alg == "topk_margin":
+    top2 = jax.lax.top_k(probs, 2)[0]
+    return x0_BxG, top2[..., 0] - top2[..., 1]
+  if alg == "entropy":
+    return x0_BxG, jnp.sum(probs * jnp.log(probs + 1e-10), axis=-1)
+  return x0_BxG, jnp.take_along_axis(probs, x0_BxG[..., None], axis=-1)[..., 0]
+
+
+def dream_commit(confidence_BxG: Array, masked_BxG: Array, u_BxG: Array, fraction, *, alg: str,
+                 alg_temp: float) -> Array:
+  """The slots a Dream step commits, among the masked ones (`m` per row). `origin`: each with
+  probability `fraction`, independently (`u < fraction`). The others: `⌊m · fraction⌋` of them,
+  the most confident, or with `alg_temp > 0` drawn without replacement with probabilities
+  `softmax(confidence / alg_temp)` (the Gumbel top-k trick with `u`)."""
+  if alg == "origin":
+    return masked_BxG & (u_BxG < fraction)
+  k_B = dream_commit_count(jnp.sum(masked_BxG, axis=-1), fraction)
+  score = confidence_BxG
+  if alg_temp > 0:
+    score = confidence_BxG / alg_temp - jnp.log(-jnp.log(u_BxG))
+  return select_top_k(score, masked_BxG, k_B)

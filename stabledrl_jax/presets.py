@@ -1,5 +1,5 @@
-"""The config presets (`configs/NAME.py:PRESET`): `tiny`, `smoke`, `sudoku`, `8b`, `8b_official`,
-as edits of `config_lib.base_config`'s dict, every one of them here and nowhere else
+"""The config presets (`configs/NAME.py:PRESET`): `tiny`, `smoke`, `sudoku`, `8b`, `8b_official`
+(LLaDA, SDAR) and `7b` (Dream), as edits of `config_lib.base_config`'s dict, every one of them here and nowhere else
 (`config_lib.apply_preset` is this module's `apply_preset`).
 """
 from __future__ import annotations
@@ -7,16 +7,21 @@ from __future__ import annotations
 import ml_collections
 
 
-PRESETS = ("tiny", "smoke", "sudoku", "8b", "8b_official")
+PRESETS = ("tiny", "smoke", "sudoku", "8b", "8b_official", "7b")
 
 
 def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
   """`tiny` is the default (clean SFT, then RL, on sorting digits); `smoke` the same path in
   minutes (on Sudoku); `sudoku` the earlier main job (4x4 Sudoku from a demonstrator that leaves
   half the blanks empty); `8b` the published settings; `8b_official` the official StableDRL code's
-  GSM8K run (`official_gsm8k`)."""
+  GSM8K run (`official_gsm8k`); `7b` Dream-v0-Instruct-7B with the published Dream RL settings
+  (`dream_7b`)."""
   if preset not in PRESETS:
     raise ValueError(f"unknown config preset {preset!r}: expected one of {PRESETS}")
+  if (preset == "7b") != (c.family == "dream") and preset in ("7b", "8b", "8b_official"):
+    want = "7b" if c.family == "dream" else "8b"
+    raise ValueError(f"config preset {preset!r} with family={c.family!r}: the {c.family} "
+                     f"checkpoint preset is {want!r}")
   if preset in ("sudoku", "smoke"):
     # README "The Sudoku job": SFT imitates a demonstrator that leaves each blank empty with
     # probability task.sft_unfilled; RL on the true reward undoes it. The smoke run is a few steps
@@ -30,10 +35,10 @@ def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
     c.task.num_train, c.task.num_test = 256, 32
     c.sft.steps, c.sft.batch_size = 6, 16
     c.rl.steps, c.rl.prompts_per_step, c.rl.group_size = 6, 4, 4
-    c.sampler.steps = 5 if c.family == "llada" else 2
+    c.sampler.steps = 2 if c.family == "sdar" else 5  # SDAR: per block; LLaDA, Dream: total
     c.eval.num_examples, c.eval.every = 32, 4
     c.checkpoint.every = 4
-  if preset in ("8b", "8b_official"):
+  if preset in ("8b", "8b_official", "7b"):
     # docs/method.md §6: the official StableDRL settings (GSM8K), fp32 master weights, bf16 compute.
     c.model.checkpoint = "/path/to/checkpoint"  # must be overridden
     c.mesh.data, c.mesh.fsdp = 1, -1  # FSDP over every chip
@@ -53,7 +58,9 @@ def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
     c.sampler.gen_length, c.sampler.temperature = 256, 0.9
     c.eval.num_examples, c.eval.every, c.eval.batch_size = 1319, 100, 64
     c.checkpoint.every, c.log_every = 25, 1
-    if c.family == "llada":
+    if c.family == "dream":
+      dream_7b(c)
+    elif c.family == "llada":
       c.model.preset = "llada_8b"
       c.rl.accumulation = 4
       # Rollouts: gen 256, block 32, 128 steps (docs/method.md §6), with the block-wise KV cache
@@ -93,3 +100,32 @@ def official_gsm8k(c: ml_collections.ConfigDict) -> None:
   c.optim.b1, c.optim.b2, c.optim.weight_decay = 0.9, 0.99, 0.1
   c.optim.decay_steps, c.optim.grad_clip = 2000, 0.2
   c.sampler.temperature, c.sampler.remasking = 0.9, "low_confidence"  # gen 256, block 32, 128 steps
+
+
+def dream_7b(c: ml_collections.ConfigDict) -> None:
+  """Dream-v0-Instruct-7B (`models.dream_7b`) on GSM8K, on top of the `8b` presets' shared
+  settings (GSM8K, StableDRL, fp32 master weights, FSDP). Where a Dream RL run published a
+  value it is taken from it, each with its source: DiffuCoder's coupled-GRPO (apple/ml-diffucoder,
+  recipes/config_coupled_code.yaml, and the `diffusion_generate` call of
+  src/open_r1/coupled_grpo.py), which decodes with Dream's own sampler, and dLLM-RL's TraceRL
+  for Dream (Gen-Verse/dLLM-RL, configs/rl_dream.yaml), which decodes with a block sampler of its
+  own. The rest is the `8b` presets' (StableDRL's GSM8K run: `official_gsm8k`'s docstring)."""
+  c.model.preset = "dream_7b"
+  c.task.max_prompt_len = 512  # dLLM-RL rl_dream.yaml training.max_prompt_len (and the 8b's)
+  # Rollouts, DiffuCoder: max_completion_length 256, diffusion_steps 256 (one token a step),
+  # generation_temperature 1.0, top_p 0.95, alg entropy, alg_temp 0.
+  c.sampler.gen_length, c.sampler.steps = 256, 256
+  c.sampler.temperature, c.sampler.top_p, c.sampler.top_k = 1.0, 0.95, 0
+  c.sampler.alg, c.sampler.alg_temp, c.sampler.eps = "entropy", 0.0, 1e-3
+  c.sampler.block_length = 32  # the likelihood's blocks (rl.scheme=block_random), as LLaDA's 8b
+  # DiffuCoder: num_generations 10, num_iterations 2 (μ), 8 processes x per-device batch 5 x
+  # gradient_accumulation_steps 2 = 80 completions (8 prompts) per optimiser step.
+  c.rl.group_size, c.rl.updates_per_batch = 10, 2
+  c.rl.prompts_per_step, c.rl.accumulation = 8, 2
+  c.rl.lr, c.rl.warmup_steps = 1e-6, 0  # DiffuCoder learning_rate 1e-6 (warmup_ratio 1e-4)
+  # DiffuCoder: adam_beta1 0.9, adam_beta2 0.99, weight_decay 0.1, max_grad_norm 0.2 (the 8b's).
+  c.optim.b1, c.optim.b2, c.optim.weight_decay, c.optim.grad_clip = 0.9, 0.99, 0.1, 0.2
+  # DiffuCoder: p_mask_prompt 0 (the prompt is never noised in the likelihood); epsilon 0.5
+  # (GRPO's clip, rl.ppo_epsilon). Its beta 0.01 is GRPO's KL term: the StableDRL objective has
+  # none (--config.rl.objective=grpo --config.rl.kl_coef=0.01 to run DiffuCoder's objective).
+  c.rl.p_mask_prompt, c.rl.ppo_epsilon = 0.0, 0.5

@@ -23,7 +23,7 @@ from flax import nnx
 
 from stabledrl_jax import (diagnostics, estimators, flops, likelihood, losses, metrics, optim,
                            rollouts, samplers, sharding)
-from stabledrl_jax.rollouts import LLaDASampling, Rollout, SDARSampling, Sequences
+from stabledrl_jax.rollouts import DreamSampling, LLaDASampling, Rollout, SDARSampling, Sequences
 from stabledrl_jax.tasks import pipeline
 
 Array = jax.Array
@@ -75,6 +75,8 @@ class Objective:
            "expected 'coupled' or 'independent'")
     _check(self.group_size >= 1, "group_size", self.group_size, "must be >= 1")
     _check(self.num_samples >= 1, "num_samples", self.num_samples, "must be >= 1")
+    _check(self.scheme != "complementary" or self.num_samples % 2 == 0, "num_samples",
+           self.num_samples, "rl.scheme=complementary draws masks in pairs: make it even")
     _check(self.epsilon >= 0, "epsilon", self.epsilon, "must be >= 0")
     _check(self.max_ratio is None or self.max_ratio > 0, "max_ratio", self.max_ratio,
            "must be > 0 (0 in the config = use epsilon)")
@@ -113,7 +115,7 @@ class Objective:
 class Settings:
   """`config.rl` and the rollouts' `config.sampler` as the RL step's settings (`from_config`)."""
   objective: Objective
-  sampling: LLaDASampling | SDARSampling  # the rollouts'
+  sampling: LLaDASampling | SDARSampling | DreamSampling  # the rollouts'
   prompts_per_step: int
   updates_per_batch: int    # μ
   accumulation: int         # micro-batches per optimiser step

@@ -1,11 +1,11 @@
 """The rollout layer every sampler and every consumer of rollouts builds on: the samplers'
-settings (`LLaDASampling`, `SDARSampling`, from `config.sampler`), the sequence layouts, the
-`Rollout` a sampler returns (`finish`) and the `Sequences` the likelihood scores.
+settings (`LLaDASampling`, `SDARSampling`, `DreamSampling`, from `config.sampler`), the sequence
+layouts, the `Rollout` a sampler returns (`finish`) and the `Sequences` the likelihood scores.
 
 Layout. Prompts come left-padded, `[B, P]` ids with a `[B, P]` validity mask. Each row's
 positions start at 0 at its first real token, so padding never changes what a row computes.
-- LLaDA: `[pads | prompt | gen_length masks]`; the generated region is the same slots for every
-  row and is split into blocks of `block_length`.
+- LLaDA and Dream (full attention): `[pads | prompt | gen_length masks]`; the generated region
+  is the same slots for every row (LLaDA splits it into blocks of `block_length`).
 - SDAR: blocks are `position // block_length`, so a prompt that does not fill its last block
   shares it with the first generated tokens. Rows are shifted by whole blocks so that their first
   generated block falls on the same slots; slots before a row's first token or after its last
@@ -146,10 +146,69 @@ class SDARSampling:
     return f"sdar {self.strategy}"
 
 
+@dataclasses.dataclass(frozen=True)
+class DreamSampling:
+  """Dream's `diffusion_generate` (docs/method.md §5): `steps` full forwards over the whole
+  generated region, step i committing the fraction `1 - s/t` of the masked slots (t, s: timesteps
+  i, i + 1 of `linspace(1, eps, steps + 1)`; the last step commits the rest), chosen by `alg`.
+  The fields are `config.sampler`'s keys and have no defaults of their own: build it with every
+  field or with `from_config`."""
+  gen_length: int
+  steps: int
+  alg: str           # decoding.DREAM_ALGS: origin | maskgit_plus | topk_margin | entropy
+  alg_temp: float    # > 0: commit positions drawn from softmax(confidence / alg_temp); 0 = top
+  eps: float         # the last timestep
+  temperature: float
+  top_k: int         # 0 = all tokens
+  top_p: float       # 1 = all tokens
+  stop_ids: tuple[int, ...] = ()  # () = the model config's stop tokens
+  pad_id: int | None = None       # None = the model config's pad (else eos) token
+
+  def __post_init__(self):
+    _check(self.gen_length >= 1, "gen_length", self.gen_length, "must be >= 1")
+    _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
+    _check(self.alg in decoding.DREAM_ALGS, "alg", self.alg,
+           f"expected one of {', '.join(decoding.DREAM_ALGS)}")
+    _check(self.alg_temp >= 0, "alg_temp", self.alg_temp, "must be >= 0 (0 = the most confident)")
+    _check(not (self.alg == "origin" and self.alg_temp), "alg_temp", self.alg_temp,
+           "sampler.alg=origin commits at random; alg_temp is for the confidence algorithms "
+           "(set 0)")
+    _check(0 < self.eps < 1, "eps", self.eps, "must lie in (0, 1)")
+    _check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
+    _check(self.top_k >= 0, "top_k", self.top_k, "must be >= 0 (0 = all tokens)")
+    _check(0 < self.top_p <= 1, "top_p", self.top_p, "must lie in (0, 1]")
+
+  @classmethod
+  def from_config(cls, sampler: ml_collections.ConfigDict, temperature: float) -> DreamSampling:
+    _check(sampler.cache == "none", "cache", sampler.cache,
+           "the block-wise cache is LLaDA's; the Dream sampler has none (set none)")
+    _check(not sampler.threshold, "threshold", sampler.threshold,
+           "the Dream sampler has no threshold decoding (set 0)")
+    _check(not sampler.cfg_scale, "cfg_scale", sampler.cfg_scale,
+           "the Dream sampler has no classifier-free guidance (set 0)")
+    return cls(gen_length=sampler.gen_length, steps=sampler.steps, alg=sampler.alg,
+               alg_temp=sampler.alg_temp, eps=sampler.eps, temperature=temperature,
+               top_k=sampler.top_k, top_p=sampler.top_p)
+
+  @property
+  def fast(self) -> bool:
+    """Dream has no approximate decoder: its decoding is always the released algorithm."""
+    return False
+
+  def exact(self) -> DreamSampling:
+    return self
+
+  @property
+  def label(self) -> str:
+    return f"dream {self.alg}" + (f" alg_temp={self.alg_temp}" if self.alg_temp else "")
+
+
+SAMPLINGS = {"llada": LLaDASampling, "sdar": SDARSampling, "dream": DreamSampling}
+
+
 def sampling_from_config(c: ml_collections.ConfigDict, temperature: float):
   """The family's sampler settings of `config.sampler` at `temperature`."""
-  cls = LLaDASampling if c.family == "llada" else SDARSampling
-  return cls.from_config(c.sampler, temperature)
+  return SAMPLINGS[c.family].from_config(c.sampler, temperature)
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -254,14 +313,14 @@ def teacher_forced(prompt_BxP: Array, prompt_valid_BxP: Array, completion_BxC: A
   """Prompts and given completions in the sampler's layout (SFT data), every completion slot
   counted (stop-token padding included, so the model learns to stop)."""
   g = completion_BxC.shape[1]
-  if family == "llada":
-    tokens, positions, valid, prompt = llada_layout(prompt_BxP, prompt_valid_BxP, g, mask_id)
-    generated = valid & ~prompt
-    start_B = jnp.full((tokens.shape[0],), prompt_BxP.shape[1], jnp.int32)
-  else:
+  if family == "sdar":
     tokens, positions, valid, prompt, generated, _, _ = sdar_layout(
         prompt_BxP, prompt_valid_BxP, g, block_size, mask_id)
     start_B = jnp.argmax(generated, axis=1).astype(jnp.int32)
+  else:  # the full-attention families (LLaDA, Dream) share LLaDA's layout
+    tokens, positions, valid, prompt = llada_layout(prompt_BxP, prompt_valid_BxP, g, mask_id)
+    generated = valid & ~prompt
+    start_B = jnp.full((tokens.shape[0],), prompt_BxP.shape[1], jnp.int32)
   offset_BxL = jnp.clip(jnp.arange(tokens.shape[1])[None, :] - start_B[:, None], 0, g - 1)
   filled = jnp.take_along_axis(completion_BxC.astype(jnp.int32), offset_BxL, axis=1)
   tokens = jnp.where(generated, filled, tokens)

@@ -1,17 +1,22 @@
-"""Rollouts from diffusion LMs: LLaDA semi-autoregressive decoding and SDAR block decoding.
+"""Rollouts from diffusion LMs: LLaDA semi-autoregressive decoding, SDAR block decoding and
+Dream's `diffusion_generate`.
 
-Both compile to one jitted program per shape: every loop is `lax` control flow over static
+All compile to one jitted program per shape: every loop is `lax` control flow over static
 shapes, so no step goes back to the host. docs/method.md §5 is the reference algorithm.
 
 The layouts, the settings and the `Rollout` they return are `rollouts`'. `generate` is the one
 entry point: it picks the family's sampler (LLaDA's fast decoder in `llada_cached` when the
 settings ask for it) and places the batch on the model's mesh.
 
-The mask token is never a candidate token (its logit is set to -inf before the choice).
+LLaDA and SDAR never choose the mask token (its logit is set to -inf before the choice). Dream's
+released sampler does not exclude it: a slot that draws it stays masked and is drawn again.
 
 Random numbers. The draw for decoding step `s` (counted from 0 across all blocks) comes from
 `jax.random.fold_in(key, s)`, shaped like the current block's logits `[B, block, V]` (its first
 half for the token choice, see `decoding.uniforms`), so a reference loop can reproduce every draw.
+Dream's block is the whole generated region `[B, gen_length, V]`; the first entry of the second
+half along the vocabulary, `[B, gen_length]`, is its per-slot draw (`origin`'s commit test, the
+Gumbel keys of `alg_temp`).
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from stabledrl_jax import decoding, llada_cached, rollouts, sharding
-from stabledrl_jax.rollouts import LLaDASampling, Rollout, SDARSampling
+from stabledrl_jax.rollouts import DreamSampling, LLaDASampling, Rollout, SDARSampling
 
 Array = jax.Array
 
@@ -37,7 +42,7 @@ def generate(model: nnx.Module, prompt_ids_BxP, prompt_mask_BxP, key: Array, sam
   With a `rollout_mesh`, the weights and prompts are resharded onto it for decoding and the
   rollout comes back on the model's mesh.
   """
-  fn = llada_generate if isinstance(sampling, LLaDASampling) else sdar_generate
+  fn = sampler_of(sampling)
   mesh = sharding.model_mesh(model)
   ids, mask = sharding.shard_batch((np.asarray(prompt_ids_BxP), np.asarray(prompt_mask_BxP)), mesh,
                                    rows=rows, start=start)
@@ -46,6 +51,15 @@ def generate(model: nnx.Module, prompt_ids_BxP, prompt_mask_BxP, key: Array, sam
   decoder = sharding.resharded(model, rollout_mesh)
   ids, mask = sharding.shard_batch((ids, mask), rollout_mesh)
   return sharding.shard_batch(fn(decoder, ids, mask, key, sampling), mesh)
+
+
+def sampler_of(sampling):
+  """The family's sampler function for `sampling`'s type (`rollouts.SAMPLINGS`)."""
+  if isinstance(sampling, LLaDASampling):
+    return llada_generate
+  if isinstance(sampling, DreamSampling):
+    return dream_generate
+  return sdar_generate
 
 
 @jax.jit
@@ -252,3 +266,61 @@ def _sdar_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: SDARSampl
   gen_start_B = jnp.argmax(generated, axis=1).astype(jnp.int32)
   return rollouts.finish(tokens, positions, valid, prompt_mask, generated, gen_start_B,
                 sampling.gen_length, stop_ids, pad_id, when, forwards, forward_tokens)
+
+
+# ----------------------------------------------------------------------------- Dream
+
+
+def dream_generate(model: nnx.Module, prompt_BxP: Array, prompt_valid_BxP: Array, key: Array,
+                   sampling: DreamSampling) -> Rollout:
+  """Dream's `diffusion_generate` (docs/method.md §5) of left-padded prompts; returns a `Rollout`.
+
+  LLaDA's layout `[pads | prompt | gen_length masks]`, no blocks. Each of the `steps` steps runs
+  one full forward (the model shifts Dream's next-token logits onto their slots) and takes, for
+  every generated slot, `(x̂, confidence)` from its logits (`decoding.dream_choose_tokens`: the
+  mask token is a candidate). It then commits masked slots (`decoding.dream_commit`): `origin`
+  each with probability `1 - s/t`; the others the `⌊m (1 - s/t)⌋` most confident of the `m`
+  masked (sampled with `alg_temp`); the last step commits every masked slot. A slot that commits
+  the mask token stays masked. Every step runs (no early stop); stop tokens are truncated after.
+
+  The released code counts `m` over the batch (the mean number of masked slots per row); here
+  it is each row's own, which is the same while no row has committed a mask token (and the
+  released rule, with unequal rows, could write a mask over a decoded token).
+  """
+  return _dream_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling)
+
+
+@nnx.jit(static_argnames=("sampling",))
+def _dream_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: DreamSampling) -> Rollout:
+  cfg = model.config
+  mask_id = cfg.mask_token_id
+  stop_ids, pad_id = decoding.stop_and_pad_ids(cfg, sampling)
+  b, p = prompt_BxP.shape
+  g = sampling.gen_length
+  tokens, positions, valid, prompt_mask = rollouts.llada_layout(prompt_BxP, prompt_valid_BxP, g,
+                                                                mask_id)
+  fractions_S = jnp.asarray(decoding.dream_fractions(sampling.steps, sampling.eps))
+
+  def step(s, carry):
+    x_BxL, when_BxL = carry
+    h = model.logits(x_BxL, attention="full", positions=positions, valid_BxL=valid, head=False)
+    logits_BxGxV = model.head_logits(h[:, p:])  # the head on the generated slots only
+    gen_BxG, when_BxG = x_BxL[:, p:], when_BxL[:, p:]
+    masked_BxG = gen_BxG == mask_id
+    u_choice, u_slot = decoding.uniforms(key, s, logits_BxGxV.shape)
+    x0_BxG, conf_BxG = decoding.dream_choose_tokens(
+        logits_BxGxV, u_choice, alg=sampling.alg, temperature=sampling.temperature,
+        top_k=sampling.top_k, top_p=sampling.top_p)
+    commit = decoding.dream_commit(conf_BxG, masked_BxG, u_slot[..., 0], fractions_S[s],
+                                   alg=sampling.alg, alg_temp=sampling.alg_temp)
+    gen_BxG = jnp.where(commit, x0_BxG, gen_BxG)
+    when_BxG = jnp.where(commit & (x0_BxG != mask_id), s, when_BxG)
+    return (jnp.concatenate([x_BxL[:, :p], gen_BxG], axis=1),
+            jnp.concatenate([when_BxL[:, :p], when_BxG], axis=1))
+
+  when0 = jnp.full(tokens.shape, -1, jnp.int32)
+  tokens, when = jax.lax.fori_loop(0, sampling.steps, step, (tokens, when0))
+  generated = jnp.zeros_like(valid).at[:, p:].set(True)
+  return rollouts.finish(tokens, positions, valid, prompt_mask, generated,
+                         jnp.full((b,), p, jnp.int32), g, stop_ids, pad_id, when, sampling.steps,
+                         sampling.steps * tokens.shape[1])

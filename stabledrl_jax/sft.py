@@ -32,6 +32,9 @@ class Settings:
   def __post_init__(self):
     if self.scheme not in estimators.SCHEMES:
       raise ValueError(f"config.sft.scheme={self.scheme!r}: expected one of {estimators.SCHEMES}")
+    if self.scheme == "complementary":  # pairs of masks; SFT draws one mask per example
+      raise ValueError("config.sft.scheme='complementary': SFT draws one mask per example, "
+                       "the scheme needs pairs; use random_t or block_t")
     if self.batch_size < 1:
       raise ValueError(f"config.sft.batch_size={self.batch_size!r}: must be >= 1")
 

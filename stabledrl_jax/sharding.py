@@ -22,7 +22,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from stabledrl_jax import models
+from stabledrl_jax import lora, models
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -68,6 +68,7 @@ def path_keys(path) -> tuple:
 def param_shardings(model: nnx.Module, mesh: Mesh, rules: Mapping[str, str] | None = None) -> dict:
   """A `NamedSharding` per parameter, as a pure dict shaped like `nnx.state(model, nnx.Param)`."""
   axes_of = {spec.path: spec.logical_axes for spec in models.weight_specs(model.config)}
+  axes_of.update(lora.logical_axes(model))  # LoRA adapters, if any: A and B split like their kernel
   state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
   def sharding(path, leaf):

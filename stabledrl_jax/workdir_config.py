@@ -30,7 +30,7 @@ def get_config(workdir: str) -> ml_collections.ConfigDict:
     raise FileNotFoundError(f"no {run_record.CONFIG_FILE} in {workdir} (not a training run's "
                             "workdir, or one from before runs recorded their config)")
   family = record.get("family")
-  if family in ("llada", "sdar"):
+  if family in config_lib.FAMILIES:
     defaults = config_lib.base_config(family).to_dict()
     record = _with_new_keys(defaults, run_record.upgrade(record, defaults))
   c = ml_collections.ConfigDict(record)

@@ -7,7 +7,7 @@ import pytest
 
 from flax import nnx
 
-from stabledrl_jax import aot, config_lib, optim, sharding
+from stabledrl_jax import aot, config_lib, models, optim, sharding
 
 
 def _smoke(**mesh):
@@ -67,3 +67,13 @@ def test_offloaded_moments_are_abstract_host_arrays_and_compile():
   kinds = {(x.ndim > 0, x.sharding.memory_kind) for x in leaves}
   assert kinds == {(True, "pinned_host"), (False, "device")}  # moments; counters and rates
   assert aot.check(c, devices, hbm_gib=1.0, programs=("rl_step",))["fits"]
+
+
+def test_dream_compiles_its_step_and_sampler_and_its_7b_shapes_are_the_release():
+  c = config_lib.base_config("dream")
+  config_lib.apply_preset(c, "smoke")
+  c.mesh.data, c.mesh.fsdp = 1, 8
+  result = aot.check(c, jax.devices("cpu")[:8], hbm_gib=1.0)
+  assert result["fits"] and result["rl_step"]["total"] > 0 and result["sampler"]["total"] > 0
+  big = config_lib.config("dream", "7b")  # a checkpoint path not on this host: the preset's shapes
+  assert aot.model_config(big) == models.dream_7b(compute_dtype="bfloat16", remat=True)

@@ -1,6 +1,5 @@
 """bench/objectives.py: its per-run figures against hand-computed numbers, and (slow) the whole
 script at a few steps of a very small model."""
-import importlib.util
 import json
 import math
 import os
@@ -9,20 +8,11 @@ import sys
 
 import pytest
 
+from bench import objectives as bench  # the script, as a module
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_PATH = os.path.join(REPO, "bench", "objectives.py")
+_PATH = bench.__file__
 NAN, INF = math.nan, math.inf
-
-
-def _bench():
-  spec = importlib.util.spec_from_file_location("bench_objectives", _PATH)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module
-  spec.loader.exec_module(module)
-  return module
-
-
-bench = _bench()
 
 
 def test_an_update_ten_times_the_running_median_is_an_explosion():

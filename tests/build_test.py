@@ -2,7 +2,7 @@
 each bad value a one-line error naming its key."""
 import pytest
 
-from stabledrl_jax import build, config_lib
+from stabledrl_jax import build, config_lib, rollouts
 
 
 def config(family="sdar", **edits):
@@ -70,7 +70,9 @@ def test_settings_name_bad_values():
       ("sdar", {"sampler.strategy": "low_confidence_dynamic"}, "sampler.threshold"),
       ("sdar", {"sampler.threshold": 0.9}, "sampler.threshold"),
       ("sdar", {"rl.objective": "bogus"}, "rl.objective"),
-      ("sdar", {"task.name": "bogus"}, "task.name")):
+      ("sdar", {"task.name": "bogus"}, "task.name"),
+      ("llada", {"rl.scheme": "complementary", "rl.num_samples": 3}, "rl.num_samples"),
+      ("llada", {"sft.scheme": "complementary"}, "sft.scheme")):
     c = config_lib.base_config(family)
     for key, value in edits.items():
       section, name = key.split(".")
@@ -79,3 +81,21 @@ def test_settings_name_bad_values():
       build.settings(c)
   with pytest.raises(ValueError, match="bogus"):
     config_lib.apply_preset(config_lib.base_config("llada"), "bogus")
+
+
+def test_dream_builds_its_sampler_settings_and_a_tiny_dream_model():
+  c = config("dream", sampler__alg="topk_margin")
+  s = build.settings(c)
+  assert isinstance(s.rl.sampling, rollouts.DreamSampling) and s.rl.sampling.alg == "topk_margin"
+  assert s.eval_sampling.temperature == 0 and s.eval_sampling.alg == "topk_margin"
+  assert not s.rl.objective.staircase and s.rl.objective.block_size == 4
+  tok = build.tokenizer(c)
+  cfg = build.model(c, tok).config
+  assert (cfg.family, cfg.model_type, cfg.qkv_bias, cfg.shifted, cfg.qk_norm, cfg.block_size) == (
+      "dream", "Dream", True, True, False, None)
+  assert (cfg.vocab_size, cfg.mask_token_id, cfg.d_model, cfg.n_layers) == (
+      tok.vocab_size, tok.mask_id, c.model.d_model, c.model.n_layers)
+  for family, block in (("llada", None), ("sdar", 4)):  # the other families as before
+    cfg = build.model(config(family), tok).config
+    assert (cfg.family, cfg.model_type, cfg.block_size, cfg.qkv_bias) == (
+        family, family, block, False)

@@ -3,6 +3,8 @@ import dataclasses
 import pathlib
 import re
 
+import pytest
+
 from stabledrl_jax import config_lib, controls, detectors, rl, rollouts, sft
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -26,13 +28,32 @@ def test_each_config_key_has_its_default_in_one_place():
     target = re.match(r"^\s*(c\.[\w.]+(?:\s*,\s*c\.[\w.]+)*)\s*=[^=]", line)
     if target:
       assigned += [t.strip()[2:] for t in target.group(1).split(",")]
-  for family in ("llada", "sdar"):
+  for family in config_lib.FAMILIES:
     for key in _flat(config_lib.base_config(family).to_dict()):
       assert assigned.count(key) == 1, (key, assigned.count(key))
   keys = {name for section in config_lib.base_config("sdar").values() if hasattr(section, "keys")
           for name in section.keys()}
   for cls in (rl.Objective, rl.Settings, rollouts.LLaDASampling, rollouts.SDARSampling,
-              sft.Settings, detectors.MonitorConfig, controls.ControlConfig):
+              rollouts.DreamSampling, sft.Settings, detectors.MonitorConfig, controls.ControlConfig):
     defaulted = [f.name for f in dataclasses.fields(cls)
                  if f.name in keys and f.default is not dataclasses.MISSING]
     assert not defaulted, (cls.__name__, defaulted)
+
+
+def test_the_family_is_checked_and_named():
+  c = config_lib.base_config("dream")
+  config_lib.validate(c)
+  c.family = "qwen"
+  with pytest.raises(ValueError,
+                     match=r"^config\.family='qwen': expected one of llada, sdar, dream$"):
+    config_lib.validate(c)
+
+
+def test_dream_takes_the_full_attention_defaults():
+  """Wherever LLaDA's and SDAR's defaults differ, Dream (full attention) takes LLaDA's."""
+  llada, sdar, dream = (config_lib.base_config(f) for f in ("llada", "sdar", "dream"))
+  differ = [key for key in _flat(dream.to_dict())
+            if key != "family" and llada[key] != sdar[key]]
+  assert "rl.scheme" in differ and "rl.p_mask_prompt" in differ
+  for key in differ:
+    assert dream[key] == llada[key], key

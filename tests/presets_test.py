@@ -89,3 +89,49 @@ def test_8b_official_is_llada_only():
   with pytest.raises(ValueError, match="8b_official.*LLaDA only"):
     _config("sdar", "8b_official")
   assert "8b_official" in config_lib.PRESETS
+
+
+# Dream's `7b`: key -> (value, where it comes from); DiffuCoder = apple/ml-diffucoder's coupled-GRPO
+# (recipes/config_coupled_code.yaml, src/open_r1/coupled_grpo.py), dLLM-RL = Gen-Verse/dLLM-RL
+# configs/rl_dream.yaml.
+DREAM_7B = {
+    "model.preset": "dream_7b",
+    "sampler.gen_length": 256,     # DiffuCoder max_completion_length
+    "sampler.steps": 256,          # DiffuCoder diffusion_steps
+    "sampler.temperature": 1.0,    # DiffuCoder generation_temperature
+    "sampler.top_p": 0.95,         # DiffuCoder's diffusion_generate call
+    "sampler.top_k": 0,
+    "sampler.alg": "entropy",      # DiffuCoder's diffusion_generate call
+    "sampler.alg_temp": 0.0,
+    "sampler.eps": 1e-3,           # Dream's released default
+    "rl.group_size": 10,           # DiffuCoder num_generations
+    "rl.updates_per_batch": 2,     # DiffuCoder num_iterations
+    "rl.prompts_per_step": 8,      # DiffuCoder 8 processes x 5 x 2 accumulation / 10
+    "rl.accumulation": 2,          # DiffuCoder gradient_accumulation_steps
+    "rl.lr": 1e-6,                 # DiffuCoder learning_rate (and dLLM-RL's)
+    "rl.p_mask_prompt": 0.0,       # DiffuCoder p_mask_prompt
+    "rl.ppo_epsilon": 0.5,         # DiffuCoder epsilon
+    "optim.b1": 0.9, "optim.b2": 0.99, "optim.weight_decay": 0.1,  # DiffuCoder adam
+    "optim.grad_clip": 0.2,        # DiffuCoder max_grad_norm
+    "task.max_prompt_len": 512,    # dLLM-RL training.max_prompt_len
+    "task.name": "gsm8k", "task.chat": True, "model.compute_dtype": "bfloat16",
+}
+
+
+@pytest.mark.parametrize("key", sorted(DREAM_7B))
+def test_dream_7b_takes_the_published_dream_rl_settings(key):
+  assert _get(_config("dream", "7b"), key) == DREAM_7B[key]
+
+
+def test_dream_7b_validates_and_the_checkpoint_presets_belong_to_their_family(tmp_path):
+  c = _config("dream", "7b")
+  c.model.checkpoint = str(tmp_path)
+  c.task.source_dir = str(tmp_path)
+  config_lib.validate(c)
+  for preset in ("tiny", "smoke", "sudoku"):
+    config_lib.validate(_config("dream", preset))
+  assert _config("dream", "smoke").sampler.steps == _config("llada", "smoke").sampler.steps
+  for family, preset, want in (("dream", "8b", "'7b'"), ("dream", "8b_official", "'7b'"),
+                               ("llada", "7b", "'8b'"), ("sdar", "7b", "'8b'")):
+    with pytest.raises(ValueError, match=f"preset '{preset}' with family='{family}'.*{want}"):
+      _config(family, preset)

@@ -1,13 +1,17 @@
 """The user's path end to end, on tiny checkpoints in each family's real on-disk format.
 
-Each family gets a directory laid out like its released 8B chat checkpoint: LLaDA-8B-Instruct's
-config.json keys and weight names (model_type "llada"), or SDAR-8B-Chat's keys with Qwen3 weight
-names (model_type "sdar"); a byte-level BPE tokenizer.json trained here on GSM8K train text with
-the family's special tokens placed after the learned vocabulary (as in the released
-tokenizers), and a tokenizer_config.json whose chat template writes the released prompt layout.
-The commands then run as a user runs them, in processes where importing torch or transformers
-fails: evaluate, train with the 8b preset (only sizes and step counts overridden), generate,
-export, and two reruns (a shape change is refused in one line; more RL steps resume).
+Each family gets a directory laid out like its released chat checkpoint: LLaDA-8B-Instruct's
+config.json keys and weight names (model_type "llada"), SDAR-8B-Chat's keys with Qwen3 weight
+names (model_type "sdar"), or Dream-v0-Instruct-7B's keys with Qwen2 weight names and q/k/v
+biases (model_type "Dream", with its generation_config.json); a byte-level BPE trained here on
+GSM8K train text with the family's special tokens placed after the learned vocabulary (as in
+the released tokenizers): a tokenizer.json, or for Dream vocab.json + merges.txt with the
+special tokens only in tokenizer_config.json's `added_tokens_decoder`; and a
+tokenizer_config.json whose chat template writes the released prompt layout. The commands then
+run as a user runs them, in processes where importing torch or transformers fails: evaluate,
+train with the family's checkpoint preset (`8b`, Dream's `7b`; only sizes and step counts
+overridden), generate, export, and two reruns (a shape change is refused in one line; more RL
+steps resume).
 """
 import json
 import os
@@ -20,6 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
+import tokenizers
+
+from stabledrl_jax.tasks.tokenizer import QWEN2_PRETOKENIZE
+from tests.models_dream_test import (DREAM_TEMPLATE, RELEASED_ADDED, RELEASED_CONFIG,
+                                     RELEASED_GENERATION_CONFIG, REMOTE_CODE, dream_shapes)
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
@@ -46,18 +55,29 @@ BLOCK_TORCH = (  # sitecustomize: the runtime must not lean on the test-only pac
     "sys.meta_path.insert(0, _Blocked())\n")
 
 
-def train_tokenizer(out: Path, special: list[str], vocab: int = 1000) -> dict[str, int]:
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def _gsm8k_bpe(vocab: int, qwen2: bool = False):
+  """A byte-level BPE trained on GSM8K train text (`qwen2`: with Qwen2's pre-tokenization)."""
   texts = []
   with open(GSM8K / "train.jsonl") as f:
     for _, line in zip(range(800), f):
       record = json.loads(line)
       texts += [record["question"], record["answer"]]
-  tok = Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  tok.train_from_iterator(texts, trainers.BpeTrainer(
-      vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  if qwen2:
+    tok.normalizer = tokenizers.normalizers.NFC()
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([
+        tokenizers.pre_tokenizers.Split(tokenizers.Regex(QWEN2_PRETOKENIZE), behavior="isolated"),
+        tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  tok.train_from_iterator(texts, tokenizers.trainers.BpeTrainer(
+      vocab_size=vocab, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+      show_progress=False))
+  return tok
+
+
+def train_tokenizer(out: Path, special: list[str], vocab: int = 1000) -> dict[str, int]:
+  tok = _gsm8k_bpe(vocab)
   tok.add_special_tokens(special)
   tok.save(str(out / "tokenizer.json"))
   return {t: tok.token_to_id(t) for t in special}
@@ -155,18 +175,60 @@ def make_sdar(out: Path) -> dict:
   return {"stops": {ids["<|endoftext|>"], ids["<|im_end|>"]}, "mask": ids["<|MASK|>"]}
 
 
+def make_dream(out: Path) -> dict:
+  """Dream-v0-Instruct-7B's layout: vocab.json + merges.txt (no tokenizer.json), its added tokens
+  (the released list, after the learned vocabulary) in tokenizer_config.json."""
+  out.mkdir(parents=True)
+  tok = _gsm8k_bpe(1000, qwen2=True)
+  tok.model.save(str(out))
+  n = tok.get_vocab_size()
+  ids = {t: n + i for i, (t, _) in enumerate(RELEASED_ADDED)}
+  vocab, d, heads, kv, mlp, layers = 1024, 32, 2, 1, 64, 2
+  eot = ids["<|endoftext|>"]
+  config = {**RELEASED_CONFIG, "bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot,
+            "mask_token_id": ids["<|mask|>"], "hidden_size": d, "intermediate_size": mlp,
+            "max_window_layers": layers, "num_attention_heads": heads, "num_hidden_layers": layers,
+            "num_key_value_heads": kv, "torch_dtype": "float32", "vocab_size": vocab}
+  (out / "config.json").write_text(json.dumps(config, indent=2))
+  (out / "generation_config.json").write_text(json.dumps({
+      **RELEASED_GENERATION_CONFIG, "bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot}))
+  (out / "tokenizer_config.json").write_text(json.dumps({
+      "add_bos_token": False, "add_prefix_space": False,
+      "added_tokens_decoder": {str(ids[t]): {"content": t, "lstrip": False, "normalized": False,
+                                             "rstrip": False, "single_word": False, "special": s}
+                               for t, s in RELEASED_ADDED},
+      "auto_map": {"AutoTokenizer": ["tokenization_dream.DreamTokenizer", None]},
+      "bos_token": "<|beginoftext|>", "chat_template": DREAM_TEMPLATE, "eos_token": "<|endoftext|>",
+      "mask_token": "<|mask|>", "pad_token": "<|endoftext|>", "tokenizer_class": "DreamTokenizer",
+      "unk_token": None}))
+  for name in REMOTE_CODE:
+    (out / name).write_text("# remote code of the released checkpoint\n")
+  _write_weights(out, dream_shapes(d, heads, kv, mlp, layers, vocab), 2)
+  return {"stops": {eot, ids["<|im_end|>"]}, "mask": ids["<|mask|>"]}
+
+
+MAKE = {"llada": make_llada, "sdar": make_sdar, "dream": make_dream}
+# The family's checkpoint preset, model_type and tokenizer files.
+PRESET = {"llada": "8b", "sdar": "8b", "dream": "7b"}
+MODEL_TYPE = {"llada": "llada", "sdar": "sdar", "dream": "Dream"}
+TOKENIZER_FILES = {"llada": ("tokenizer.json",), "sdar": ("tokenizer.json",),
+                   "dream": ("vocab.json", "merges.txt", "generation_config.json")}
+
+
 def sizes(family: str) -> list[str]:
   """Overrides of sizes and step counts only: everything else is the 8b preset."""
-  common = ["--config.sampler.gen_length=16", "--config.task.max_prompt_len=256",
+  # Dream's template writes a default system message: longer prompts.
+  prompt_len = 320 if family == "dream" else 256
+  common = ["--config.sampler.gen_length=16", f"--config.task.max_prompt_len={prompt_len}",
             "--config.eval.batch_size=8"]
   if family == "llada":
     return common + ["--config.sampler.block_length=8", "--config.sampler.steps=4"]
-  return common + ["--config.sampler.steps=2"]
+  return common + ["--config.sampler.steps=2" if family == "sdar" else "--config.sampler.steps=4"]
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (GSM8K / "train.jsonl").exists(), reason=f"public data absent: {GSM8K}")
-@pytest.mark.parametrize("family", ["llada", "sdar"])
+@pytest.mark.parametrize("family", ["llada", "sdar", "dream"])
 def test_rehearsal(tmp_path, family):
   t0 = time.time()
   blocker = tmp_path / "blocker"
@@ -189,8 +251,8 @@ def test_rehearsal(tmp_path, family):
     return out
 
   ckpt = tmp_path / f"tiny-{family}"
-  facts = (make_llada if family == "llada" else make_sdar)(ckpt)
-  preset = [f"--config=configs/{family}.py:8b", f"--config.model.checkpoint={ckpt}",
+  facts = MAKE[family](ckpt)
+  preset = [f"--config=configs/{family}.py:{PRESET[family]}", f"--config.model.checkpoint={ckpt}",
             f"--config.task.source_dir={GSM8K}", f"--config.task.data_dir={tmp_path / 'tfds'}"]
   proc = subprocess.run([sys.executable, "-c", "import torch"], env=env, capture_output=True)
   assert proc.returncode != 0  # the blocker works
@@ -200,8 +262,10 @@ def test_rehearsal(tmp_path, family):
             f"--output_dir={tmp_path / 'eval'}")
   rows = [json.loads(l) for l in open(tmp_path / "eval" / f"eval_tiny-{family}.jsonl")]
   assert len(rows) == 16 and set(rows[0]) >= {"prompt", "completions", "answers", "correct"}
-  marker = "<|start_header_id|>user" if family == "llada" else "<|im_start|>user\n"
-  assert rows[0]["prompt"].startswith(("<|startoftext|>" if family == "llada" else "") + marker)
+  marker = {"llada": "<|startoftext|><|start_header_id|>user", "sdar": "<|im_start|>user\n",
+            "dream": "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+                     "<|im_start|>user\n"}[family]
+  assert rows[0]["prompt"].startswith(marker)
   assert "accuracy" in out and "pass@1" in out
 
   # train with the 8b preset
@@ -214,9 +278,9 @@ def test_rehearsal(tmp_path, family):
   assert recorded["model"]["checkpoint"] == str(ckpt) and recorded["rl"]["steps"] == 2
   hf = json.load(open(work / "hf" / "config.json"))
   source = json.load(open(ckpt / "config.json"))
-  assert hf["model_type"] == family and set(source) <= set(hf)
-  assert all((work / "hf" / n).exists() for n in ("tokenizer.json", "tokenizer_config.json",
-                                                  f"modeling_{family}.py"))
+  assert hf["model_type"] == MODEL_TYPE[family] and set(source) <= set(hf)
+  assert all((work / "hf" / n).exists() for n in (*TOKENIZER_FILES[family],
+                                                  "tokenizer_config.json", f"modeling_{family}.py"))
   assert (work / "curves.png").exists()
 
   # generate from the trained run, through the chat template
@@ -252,7 +316,7 @@ def check_export(family: str, work: Path, exported: Path, facts: dict) -> None:
   loaded, cfg = models.load_pretrained(str(exported), dtype="float32")
   assert set(cfg.stop_token_ids) == facts["stops"] and cfg.mask_token_id == facts["mask"]
   ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12))
-  attention, block = ("full", None) if family == "llada" else ("block_causal", 1)
+  attention, block = ("block_causal", 1) if family == "sdar" else ("full", None)
   want = np.asarray(trained.logits(jnp.asarray(ids), attention=attention, block_size=block))
   got = np.asarray(loaded.logits(jnp.asarray(ids), attention=attention, block_size=block))
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)

@@ -19,8 +19,9 @@ def sdar_model():
   return models.create(models.tiny(), seed=4)
 
 
-def left_pad(prompts, pad=0):
-  p = max(len(x) for x in prompts)
+def left_pad(prompts, pad=0, width=None):
+  """Left-padded ids and validity of `prompts`, `width` columns (default: the longest)."""
+  p = width or max(len(x) for x in prompts)
   ids = np.full((len(prompts), p), pad, np.int32)
   valid = np.zeros((len(prompts), p), bool)
   for i, x in enumerate(prompts):

@@ -28,3 +28,14 @@ def test_keys_moved_or_removed_since_are_upgraded(tmp_path):
   assert got.sampler.block_length == 8 and "block_size" not in got.model
   assert "clip_low" not in got.controls
   assert set(got.to_dict()) == set(config_lib.base_config("sdar").to_dict())
+
+
+def test_a_dream_run_takes_the_dream_defaults(tmp_path):
+  record = config_lib.base_config("dream").to_dict()
+  del record["sampler"]["alg"], record["sampler"]["eps"]  # a run recorded before the keys
+  record["sampler"]["alg_temp"] = 0.3
+  (tmp_path / "config.json").write_text(json.dumps(record))
+  got = workdir_config.get_config(str(tmp_path))
+  assert (got.family, got.sampler.alg, got.sampler.eps, got.sampler.alg_temp) == (
+      "dream", "entropy", 1e-3, 0.3)
+  config_lib.validate(got)

@@ -54,10 +54,27 @@ def apply_rope(x_BxLxNxH: jax.Array, cos_BxLxH: jax.Array, sin_BxLxH: jax.Array)
   return out.astype(x_BxLxNxH.dtype)
 
 
+class Linear(nnx.Linear):
+  """`nnx.Linear` plus an optional adapter: `y = x W (+ b) + adapter(x)`.
+
+  `adapter` is None until `stabledrl_jax.lora.apply` attaches one (any module mapping the input
+  [M, D_in] to a delta [M, D_out], e.g. a LoRA update). The kernel keeps its path, so weight
+  names, checkpoints and shardings are the same with or without an adapter.
+  """
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.adapter = nnx.data(None)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    y = super().__call__(x)
+    return y if self.adapter is None else y + self.adapter(x).astype(y.dtype)
+
+
 def _linear(d_in: int, d_out: int, cfg: ModelConfig, rngs: nnx.Rngs,
-            bias: bool = False) -> nnx.Linear:
-  return nnx.Linear(d_in, d_out, use_bias=bias, dtype=cfg.compute_dtype,
-                    param_dtype=cfg.param_dtype, kernel_init=_INIT, rngs=rngs)
+            bias: bool = False) -> Linear:
+  return Linear(d_in, d_out, use_bias=bias, dtype=cfg.compute_dtype,
+                param_dtype=cfg.param_dtype, kernel_init=_INIT, rngs=rngs)
 
 
 class Attention(nnx.Module):
@@ -201,8 +218,8 @@ class Transformer(nnx.Module):
                            param_dtype=cfg.param_dtype, embedding_init=_INIT, rngs=rngs)
     self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=cfg.param_dtype)
-    self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype,
-                           param_dtype=cfg.param_dtype, kernel_init=_INIT, rngs=rngs)
+    self.head = Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype,
+                       param_dtype=cfg.param_dtype, kernel_init=_INIT, rngs=rngs)
 
   def _trunk(self, ids_BxT, positions_BxT, mask_Bx1xTxS, past=None):
     """Final-normed hidden states and the per-layer (k, v) of these tokens."""
@@ -237,8 +254,10 @@ class Transformer(nnx.Module):
     kernel_DxV = self.head.kernel[...]
     dtype = jnp.dtype(self.config.compute_dtype)
     b, t, d = h_BxTxD.shape
-    logits_MxV = jnp.dot(h_BxTxD.reshape(b * t, d).astype(dtype), kernel_DxV.astype(dtype),
-                         preferred_element_type=jnp.float32)
+    h_MxD = h_BxTxD.reshape(b * t, d).astype(dtype)
+    logits_MxV = jnp.dot(h_MxD, kernel_DxV.astype(dtype), preferred_element_type=jnp.float32)
+    if self.head.adapter is not None:  # e.g. LoRA on LLaDA's `ff_out`, which names the head too
+      logits_MxV = logits_MxV + self.head.adapter(h_MxD).astype(jnp.float32)
     return logits_MxV.reshape(b, t, -1)
 
   def head_logits(self, h_BxTxD: jax.Array) -> jax.Array:

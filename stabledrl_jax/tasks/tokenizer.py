@@ -1,9 +1,11 @@
 """Tokenizers with one interface: `encode`, `decode`, special ids, `apply_chat_template`.
 
 `CharTokenizer` is the tiny models' vocabulary (characters, the format tags as single tokens,
-and pad/bos/eos/mask/unk). `HFTokenizer` wraps a Hugging Face `tokenizers` `tokenizer.json`
-and the chat template of the checkpoint's `tokenizer_config.json` (rendered in a sandboxed
-Jinja environment: a checkpoint's template is data, not code we trust).
+and pad/bos/eos/mask/unk). `HFTokenizer` wraps a checkpoint's Hugging Face tokenizer, its
+`tokenizer.json` or, for a checkpoint that ships `vocab.json` + `merges.txt` instead (Dream's,
+Qwen2's byte-level BPE), one built from those files (`byte_level_bpe`), and the chat template of
+its `tokenizer_config.json` (rendered in a sandboxed Jinja environment: a checkpoint's template is
+data, not code we trust).
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import string
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
+
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<mask>", "<unk>")
 TAG_TOKENS = ("<reasoning>", "</reasoning>", "<answer>", "</answer>")
@@ -82,8 +87,65 @@ class CharTokenizer:
     return "".join(m["content"] for m in messages)
 
 
+# The pre-tokenization of Qwen2's byte-level BPE (Qwen2Tokenizer, and Dream's DreamTokenizer, a
+# copy of it): contractions, letters with one leading non-letter, single digits, punctuation runs,
+# newlines, spaces.
+QWEN2_PRETOKENIZE = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
+                     r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# tokenizer_config.json's tokenizer_class values that `byte_level_bpe` reproduces.
+BYTE_LEVEL_BPE_CLASSES = ("DreamTokenizer", "Qwen2Tokenizer", "Qwen2TokenizerFast")
+
+
+def byte_level_bpe(vocab_file: Path, merges_file: Path,
+                   added_tokens: Sequence[Mapping]) -> tokenizers.Tokenizer:
+  """Qwen2's byte-level BPE (what Dream's `vocab.json` + `merges.txt` are) as a `tokenizers`
+  tokenizer: NFC normalisation, `QWEN2_PRETOKENIZE` splits, the bytes of each piece mapped to
+  printable characters and merged by rank, no unknown token; then `added_tokens` (entries of
+  tokenizer_config.json's `added_tokens_decoder`, each with its `id`), matched in the raw text
+  before anything else, each checked to get its own id."""
+  vocab = json.loads(vocab_file.read_text(encoding="utf-8"))
+  merges = [tuple(line.split()) for i, line in enumerate(merges_file.read_text(encoding="utf-8")
+                                                        .splitlines())
+            if line.strip() and not (i == 0 and line.startswith("#version:"))]
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
+                                                   byte_fallback=False))
+  tok.normalizer = tokenizers.normalizers.NFC()
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([
+      tokenizers.pre_tokenizers.Split(tokenizers.Regex(QWEN2_PRETOKENIZE), behavior="isolated"),
+      tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  for entry in sorted(added_tokens, key=lambda e: int(e["id"])):
+    token = tokenizers.AddedToken(
+        entry["content"], single_word=entry.get("single_word", False),
+        lstrip=entry.get("lstrip", False), rstrip=entry.get("rstrip", False),
+        normalized=entry.get("normalized", False), special=entry.get("special", False))
+    (tok.add_special_tokens if token.special else tok.add_tokens)([token])
+    if tok.token_to_id(entry["content"]) != int(entry["id"]):
+      raise ValueError(f"added token {entry['content']!r} has id {entry['id']} in "
+                       f"tokenizer_config.json but {tok.token_to_id(entry['content'])} after "
+                       f"{vocab_file.name}'s {len(vocab)} entries")
+  return tok
+
+
+def load_hf_tokenizer(directory: Path, config: Mapping) -> tokenizers.Tokenizer:
+  """The checkpoint's `tokenizer.json`, else its `vocab.json` + `merges.txt` (`byte_level_bpe`,
+  with `config`'s — tokenizer_config.json's — added tokens)."""
+  if (directory / "tokenizer.json").is_file():
+    return tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+  vocab_file, merges_file = directory / "vocab.json", directory / "merges.txt"
+  if not (vocab_file.is_file() and merges_file.is_file()):
+    raise FileNotFoundError(f"no tokenizer.json (nor vocab.json + merges.txt) in {directory}")
+  cls = config.get("tokenizer_class")
+  if cls is not None and cls not in BYTE_LEVEL_BPE_CLASSES:
+    raise ValueError(f"tokenizer_class {cls!r} in {directory}: vocab.json + merges.txt are read "
+                     f"as Qwen2's byte-level BPE ({', '.join(BYTE_LEVEL_BPE_CLASSES)})")
+  added = [{**entry, "id": int(i)} for i, entry in config.get("added_tokens_decoder", {}).items()]
+  return byte_level_bpe(vocab_file, merges_file, added)
+
+
 class HFTokenizer:
-  """A Hugging Face `tokenizer.json` plus the chat template and special tokens of a checkpoint.
+  """A checkpoint's Hugging Face tokenizer (`load_hf_tokenizer`) plus its chat template and
+  special tokens.
 
   Special tokens come from `tokenizer_config.json` (`bos_token`, `eos_token`, `pad_token`,
   `mask_token`) unless given; LLaDA's mask token (id 126336, docs/method.md §6) is not named there, so
@@ -98,15 +160,10 @@ class HFTokenizer:
       mask_id: int | None = None,
       eos_token: str | None = None,
   ):
-    from tokenizers import Tokenizer as _HFTokenizer
-
     directory = Path(directory)
-    tokenizer_file = directory / "tokenizer.json"
-    if not tokenizer_file.is_file():
-      raise FileNotFoundError(f"no tokenizer.json in {directory}")
-    self._tok = _HFTokenizer.from_file(str(tokenizer_file))
     config_file = directory / "tokenizer_config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    self._tok = load_hf_tokenizer(directory, config)
     self.chat_template: str | None = config.get("chat_template")
     self.bos_token = _token_text(config.get("bos_token"))
     self.eos_token = eos_token or _token_text(config.get("eos_token"))
@@ -141,8 +198,6 @@ class HFTokenizer:
   ) -> str:
     if not self.chat_template:
       raise ValueError("this tokenizer_config.json has no chat_template")
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise_template_error
     return env.from_string(self.chat_template).render(

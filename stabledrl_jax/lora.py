@@ -1,0 +1,447 @@
+"""LoRA adapters on the transformer's linear layers, chosen, named and stored as PEFT does.
+
+An adapter adds to a frozen linear map `W` (kernel [D_in, D_out]) a low-rank update,
+
+    y = x W + (α / r) · dropout(x) A B,     A [D_in, r],  B [r, D_out],  B = 0 at the start,
+
+so an adapted model starts as its base model. The adapter is flax's `nnx.LoRA` layer (A and B
+are `nnx.LoRAParam`, a subclass of `nnx.Param`), with PEFT's scale and input dropout, attached to
+a `models.transformer.Linear` (its `adapter` slot): the base kernel keeps its path, its dtype (a
+bfloat16 base stays bfloat16) and its sharding, while A and B are float32 and computed in the
+model's compute dtype. `ADAPTER` filters the adapters' parameters (the optimiser's `wrt`, the
+gradient's `DiffState`, what a LoRA run checkpoints).
+
+Modules are chosen by the names of the family's official checkpoint, as PEFT chooses them: a
+name in `targets` selects every module whose dotted name is it or ends with "." + it (a single
+string is a regular expression the whole name must match; "all-linear" is every linear layer but
+the head). LLaDA's modules are `q_proj`, `k_proj`, `v_proj`, `attn_out`, `ff_proj`, `up_proj`,
+`ff_out`, and its head is `model.transformer.ff_out`, so `ff_out` selects the head too; the
+Qwen-style families (SDAR, Dream) name theirs `q_proj`, `k_proj`, `v_proj`, `o_proj`,
+`gate_proj`, `up_proj`, `down_proj` and `lm_head`.
+
+PEFT's adapter directory: `adapter_config.json` (`peft_type` "LORA", `r`, `lora_alpha`,
+`lora_dropout`, `target_modules`, `base_model_name_or_path`, ...) and `adapter_model.safetensors`
+holding `base_model.model.<module>.lora_A.weight` [r, D_in] and `....lora_B.weight` [D_out, r]
+(torch's [out, in] layout: our A and B transposed). `load_peft` applies every tensor the file
+holds; one it cannot place is an error naming it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from stabledrl_jax.models import huggingface
+from stabledrl_jax.models.config import ModelConfig
+from stabledrl_jax.models.transformer import Linear
+
+ADAPTER = nnx.LoRAParam  # the adapters' parameters: nnx.Optimizer(model, tx, wrt=ADAPTER)
+ALL_LINEAR = "all-linear"
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+PEFT_EMBEDDING_NAMES = ("embed_tokens", "lm_head")  # PEFT saves these whole when targeted
+# adapter_config.json options that change what a LoRA adapter computes; any other value than
+# these (PEFT's defaults) is refused, naming the key.
+_PEFT_DEFAULTS = {"use_dora": False, "use_rslora": False, "bias": "none", "lora_bias": False,
+                  "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {},
+                  "layers_to_transform": None, "exclude_modules": None, "modules_to_save": None,
+                  "target_parameters": None, "trainable_token_indices": None,
+                  "alora_invocation_tokens": None, "use_qalora": False, "use_bdlora": None,
+                  "layer_replication": None}
+# PEFT reads these with their defaults where absent; written so the file reads as PEFT's own.
+_PEFT_WRITTEN = {"bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+                 "init_lora_weights": True, "layers_pattern": None, "layers_to_transform": None,
+                 "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {},
+                 "revision": None, "use_dora": False, "use_rslora": False}
+
+
+class AdapterError(ValueError):
+  """An adapter (config or file) that does not fit the model: names the key or tensor."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """Rank r, alpha α (the update is scaled by α / r), dropout on the adapters' input, and the
+  PEFT target names (a tuple of names matched as suffixes, or one regular expression)."""
+
+  rank: int
+  alpha: float
+  dropout: float = 0.0
+  targets: tuple[str, ...] | str = ("q_proj", "k_proj", "v_proj")
+
+  def __post_init__(self):
+    if self.rank < 1:
+      raise AdapterError(f"lora rank={self.rank} must be >= 1")
+    if not 0.0 <= self.dropout < 1.0:
+      raise AdapterError(f"lora dropout={self.dropout} must be in [0, 1)")
+    if not self.targets:
+      raise AdapterError("lora targets are empty: name at least one module")
+    if not isinstance(self.targets, str):
+      object.__setattr__(self, "targets", tuple(self.targets))
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
+
+
+class Adapter(nnx.LoRA):
+  """`nnx.LoRA` (x A B, A [D_in, r] and B [r, D_out] as `nnx.LoRAParam`) scaled by α / r, with
+  dropout on its input while a key is set (`set_dropout_key`), and none otherwise.
+
+  A starts as PEFT's (torch's Linear default, uniform in ±1/sqrt(D_in)), B at zero. The
+  parameters are float32 whatever the base's dtype; the products run in `dtype`, the model's
+  compute dtype, as the base's do.
+  """
+
+  def __init__(self, d_in: int, d_out: int, *, rank: int, alpha: float, dropout: float,
+               dtype, rngs: nnx.Rngs):
+    super().__init__(d_in, rank, d_out, dtype=dtype, param_dtype=jnp.float32, rngs=rngs,
+                     a_initializer=nnx.initializers.variance_scaling(1 / 3, "fan_in", "uniform"))
+    self.rank, self.alpha, self.dropout = rank, alpha, dropout
+    self.dropout_key = nnx.data(None)
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
+
+  def __call__(self, x_MxI: jax.Array) -> jax.Array:
+    if self.dropout and self.dropout_key is not None:
+      keep_MxI = jax.random.bernoulli(self.dropout_key[...], 1.0 - self.dropout, x_MxI.shape)
+      x_MxI = jnp.where(keep_MxI, x_MxI / (1.0 - self.dropout), 0).astype(x_MxI.dtype)
+    return super().__call__(x_MxI) * self.scale
+
+
+class DropoutKey(nnx.Variable):
+  """The PRNG key of an adapter's dropout mask (state, not a parameter: never differentiated)."""
+
+
+# ----------------------------------------------------------------------------- choosing modules
+
+
+def linear_modules(cfg: ModelConfig) -> dict[str, tuple]:
+  """Every linear layer as {its module name in the official checkpoint: its path in the model}
+  (the weight name without ".weight"), in checkpoint order, the head included."""
+  return {spec.hf_name.removesuffix(".weight"): spec.path[:-1]
+          for spec in huggingface.weight_specs(cfg) if spec.path[-1] == "kernel"}
+
+
+def head_module(cfg: ModelConfig) -> str:
+  """The head's module name (LLaDA's `model.transformer.ff_out`, the others' `lm_head`)."""
+  return next(name for name, path in linear_modules(cfg).items() if path == ("head",))
+
+
+def matches(name: str, targets: tuple[str, ...] | str) -> bool:
+  """PEFT's rule: a regular expression matches the whole module name; a name in a list matches
+  the module of that name or any whose name ends with "." + it."""
+  if isinstance(targets, str):
+    return re.fullmatch(targets, name) is not None
+  return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def select(cfg: ModelConfig, targets: tuple[str, ...] | str, *,
+           strict: bool = True) -> dict[str, tuple]:
+  """The targeted linear layers {module name: model path}. `strict`: every name of a list must
+  select a module (PEFT itself only needs one of them to, as `strict=False` does)."""
+  modules = linear_modules(cfg)
+  if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
+    head = head_module(cfg)
+    return {name: path for name, path in modules.items() if name != head}
+  chosen = {name: path for name, path in modules.items() if matches(name, targets)}
+  unused = [] if isinstance(targets, str) else [
+      t for t in targets if not any(matches(name, (t,)) for name in modules)]
+  if not chosen or (strict and unused):
+    bad = targets if not chosen else unused[0]
+    names = sorted({name.rsplit(".", 1)[-1] for name in modules})
+    raise AdapterError(f"lora target {bad!r} selects no module of family {cfg.family!r}; its "
+                       f"modules are {names}")
+  return chosen
+
+
+def _module(model, path: tuple):
+  return huggingface._variable(model, path)
+
+
+def _placed(value: jax.Array, kernel, spec: tuple) -> jax.Array:
+  """`value` on the kernel's mesh, dimension i split like the kernel's dimension `spec[i]`
+  (None: replicated); as is for an unsharded kernel or under tracing (abstract models)."""
+  sharding = getattr(kernel, "sharding", None)
+  if not isinstance(kernel, jax.Array) or not isinstance(sharding, NamedSharding):
+    return value
+  kernel_spec = tuple(sharding.spec) + (None,) * (kernel.ndim - len(sharding.spec))
+  pspec = PartitionSpec(*(None if i is None else kernel_spec[i] for i in spec))
+  return jax.device_put(value, NamedSharding(sharding.mesh, pspec))
+
+
+def apply(model, lc: LoraConfig, *, seed: int = 0, strict: bool = True):
+  """Attach a fresh adapter (random A, zero B) to every linear layer `lc.targets` selects; the
+  model is changed in place and returned. A is split over the mesh like the kernel's input
+  dimension, B like its output dimension. Refused on a model that already has adapters."""
+  if adapters(model):
+    raise AdapterError("the model already has LoRA adapters; apply them once")
+  cfg = model.config
+  rngs = nnx.Rngs(seed)
+  for name, path in select(cfg, lc.targets, strict=strict).items():
+    linear = _module(model, path)
+    if not isinstance(linear, Linear):
+      raise AdapterError(f"module {name!r} is a {type(linear).__name__}, not an adaptable Linear")
+    kernel = linear.kernel.get_value()
+    d_in, d_out = kernel.shape
+    adapter = Adapter(d_in, d_out, rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout,
+                      dtype=cfg.compute_dtype, rngs=rngs)
+    adapter.lora_a.set_value(_placed(adapter.lora_a.get_value(), kernel, (0, None)))
+    adapter.lora_b.set_value(_placed(adapter.lora_b.get_value(), kernel, (None, 1)))
+    linear.adapter = adapter
+  return model
+
+
+def adapters(model) -> dict[str, Adapter]:
+  """The model's adapters {module name: Adapter}, in checkpoint order (empty: none)."""
+  out = {}
+  for name, path in linear_modules(model.config).items():
+    adapter = getattr(_module(model, path), "adapter", None)
+    if adapter is not None:
+      out[name] = adapter
+  return out
+
+
+def trainable(model):
+  """The filter of the parameters an optimiser trains: the adapters' when there are any, else
+  every parameter (full fine-tuning)."""
+  return ADAPTER if adapters(model) else nnx.Param
+
+
+def num_params(model) -> int:
+  """Parameters of the adapters (A and B of each)."""
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, ADAPTER)))
+
+
+def logical_axes(model) -> dict[tuple, tuple]:
+  """{path of each adapter parameter: its logical axes}: A [D_in, r] takes the kernel's input
+  axis, B [r, D_out] its output axis, the rank is never split (the sharding rules' input)."""
+  axes_of = {spec.path: spec.logical_axes for spec in huggingface.weight_specs(model.config)}
+  out = {}
+  for path in (p for p in linear_modules(model.config).values()
+               if getattr(_module(model, p), "adapter", None) is not None):
+    kernel_axes = axes_of[path + ("kernel",)]
+    out[path + ("adapter", "lora_a")] = (kernel_axes[0], None)
+    out[path + ("adapter", "lora_b")] = (None, kernel_axes[1])
+  return out
+
+
+def set_dropout_key(model, key: jax.Array | None) -> None:
+  """Turn the adapters' dropout on with masks drawn from `key` (one stream per adapter), or off
+  with None. Meant for the copy of the model a loss function works on inside `jit` (after
+  `nnx.merge`), so rollouts, behaviour and reference passes stay deterministic; every call of an
+  adapter with the same key and input shape draws the same mask."""
+  for i, adapter in enumerate(adapters(model).values()):
+    adapter.dropout_key = nnx.data(None) if key is None else DropoutKey(jax.random.fold_in(key, i))
+
+
+@jax.jit
+def _merged(kernel, a, b, scale):
+  delta = scale * jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32),
+                          precision=jax.lax.Precision.HIGHEST)
+  return (kernel.astype(jnp.float32) + delta).astype(kernel.dtype)
+
+
+def merge(model):
+  """Fold every adapter into its kernel (W + (α / r) A B, summed in float32, stored in the
+  kernel's dtype and sharding) and remove it; in place, returned. With a bfloat16 base the sum
+  is rounded to bfloat16, which loses updates far below the weights' magnitude: merge a float32
+  copy (`models.load_pretrained(..., param_dtype="float32")`) for an exact export."""
+  for name, path in linear_modules(model.config).items():
+    linear = _module(model, path)
+    adapter = getattr(linear, "adapter", None)
+    if adapter is None:
+      continue
+    linear.kernel.set_value(_merged(linear.kernel.get_value(), adapter.lora_a.get_value(),
+                                    adapter.lora_b.get_value(), adapter.scale))
+    linear.adapter = nnx.data(None)
+  return model
+
+
+def config_of(model) -> LoraConfig:
+  """The LoraConfig of the model's adapters; `targets` the shortest PEFT list of names that
+  selects exactly the adapted modules (their last name components), or an anchored regular
+  expression of their names where no such list exists."""
+  found = adapters(model)
+  if not found:
+    raise AdapterError("the model has no LoRA adapters")
+  shapes = {(a.rank, a.alpha, a.dropout) for a in found.values()}
+  if len(shapes) > 1:
+    raise AdapterError(f"adapters with different (rank, alpha, dropout) {sorted(shapes)}: PEFT's "
+                       "file has one of each")
+  rank, alpha, dropout = shapes.pop()
+  suffixes = tuple(sorted({name.rsplit(".", 1)[-1] for name in found}))
+  exact = set(select(model.config, suffixes)) == set(found)
+  targets = suffixes if exact else "|".join(re.escape(name) for name in found)
+  return LoraConfig(rank=rank, alpha=alpha, dropout=dropout, targets=targets)
+
+
+# ----------------------------------------------------------------------------- PEFT files
+
+
+def peft_config(lc: LoraConfig, base_model_name_or_path: str | None = None,
+                task_type: str = "CAUSAL_LM") -> dict:
+  """adapter_config.json for `lc`: PEFT's keys for a plain LoRA adapter."""
+  targets = lc.targets if isinstance(lc.targets, str) else sorted(lc.targets)
+  alpha = int(lc.alpha) if float(lc.alpha).is_integer() else lc.alpha
+  return {**_PEFT_WRITTEN, "base_model_name_or_path": base_model_name_or_path,
+          "lora_alpha": alpha, "lora_dropout": lc.dropout, "peft_type": "LORA", "r": lc.rank,
+          "target_modules": targets, "task_type": task_type}
+
+
+def config_from_peft(peft: dict) -> LoraConfig:
+  """The LoraConfig of a PEFT adapter_config.json dict; an option that changes what the adapter
+  computes and that this project does not implement (DoRA, rsLoRA, biases, per-module ranks,
+  layer subsets, ...) is refused, naming it."""
+  if peft.get("peft_type") != "LORA":
+    raise AdapterError(f"adapter_config.json peft_type={peft.get('peft_type')!r}: only 'LORA' "
+                       "adapters are supported")
+  for key, default in _PEFT_DEFAULTS.items():
+    value = peft.get(key, default)
+    if value != default and not (default is None and value in ([], {}, "")):
+      raise AdapterError(f"adapter_config.json {key}={value!r} is not supported (expected "
+                         f"{default!r})")
+  targets = peft.get("target_modules")
+  if not targets:
+    raise AdapterError(f"adapter_config.json target_modules={targets!r}: name the modules")
+  return LoraConfig(rank=int(peft["r"]), alpha=float(peft.get("lora_alpha", 8)),
+                    dropout=float(peft.get("lora_dropout", 0.0)),
+                    targets=targets if isinstance(targets, str) else tuple(targets))
+
+
+def read_peft_config(adapter_dir: str) -> dict:
+  path = os.path.join(adapter_dir, CONFIG_FILE)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"missing {path}")
+  with open(path) as f:
+    return json.load(f)
+
+
+def peft_names(module: str) -> tuple[str, str]:
+  """PEFT's tensor names of the adapter of `module` (A, then B)."""
+  return (f"{PEFT_PREFIX}{module}.lora_A.weight", f"{PEFT_PREFIX}{module}.lora_B.weight")
+
+
+def _host(value: jax.Array) -> np.ndarray:
+  if not value.is_fully_addressable:
+    value = multihost_utils.process_allgather(value, tiled=True)
+  return np.asarray(jax.device_get(value))
+
+
+def base_layer_name(module: str) -> str:
+  """PEFT's name of the frozen weight of an adapted module, saved whole for the embedding
+  layers (`embed_tokens`, `lm_head`) when an adapter targets them."""
+  return f"{PEFT_PREFIX}{module}.base_layer.weight"
+
+
+def peft_tensors(model, dtype: str = "float32") -> dict[str, np.ndarray]:
+  """Every adapter as PEFT's tensors: {name: A.T [r, D_in] or B.T [D_out, r]}, and, as PEFT
+  saves it, the whole weight [D_out, D_in] of an adapted `lm_head` (every process joins the
+  gathers of a multi-process model)."""
+  out = {}
+  paths = linear_modules(model.config)
+  for module, adapter in adapters(model).items():
+    name_a, name_b = peft_names(module)
+    out[name_a] = np.ascontiguousarray(_host(adapter.lora_a.get_value()).T.astype(dtype))
+    out[name_b] = np.ascontiguousarray(_host(adapter.lora_b.get_value()).T.astype(dtype))
+    if module.rsplit(".", 1)[-1] in PEFT_EMBEDDING_NAMES:
+      kernel = _module(model, paths[module]).kernel.get_value()
+      out[base_layer_name(module)] = np.ascontiguousarray(_host(kernel).T.astype(dtype))
+  return out
+
+
+def export_peft(model, out_dir: str, *, base_model_name_or_path: str | None = None,
+                dtype: str = "float32") -> None:
+  """Write the adapters alone as a PEFT directory (adapter_config.json,
+  adapter_model.safetensors) that `peft.PeftModel.from_pretrained(official_model, out_dir)`
+  loads; `base_model_name_or_path` names the base checkpoint (e.g. its hub id)."""
+  tensors = peft_tensors(model, dtype)  # every process, before process 0 writes
+  if jax.process_index() != 0:
+    return
+  os.makedirs(out_dir, exist_ok=True)
+  save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"})
+  with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
+    json.dump(peft_config(config_of(model), base_model_name_or_path), f, indent=2)
+
+
+def _assign(variable, host: np.ndarray, want: tuple, name: str, transpose: bool) -> None:
+  """Set `variable` (keeping its dtype and sharding) from a tensor of the file."""
+  if host.shape != want:
+    raise AdapterError(f"adapter tensor {name!r} has shape {host.shape}, expected {want}")
+  old = variable.get_value()
+  value = jnp.asarray((host.T if transpose else host).astype(old.dtype))
+  sharding = getattr(old, "sharding", None)
+  variable.set_value(jax.device_put(value, sharding) if sharding is not None else value)
+
+
+def _peft_targets(model, lc: LoraConfig) -> dict[str, tuple]:
+  """{PEFT tensor name: (variable, shape in the file, transposed)} of every tensor a PEFT
+  adapter of the model's adapters may hold: A and B of each adapter, and whole weights PEFT
+  saves beside them (a targeted embedding layer's `base_layer`, or a weight by its
+  checkpoint name, e.g. a resized embedding), which replace the checkpoint's."""
+  out = {}
+  for module, adapter in adapters(model).items():
+    if (adapter.rank, adapter.alpha) != (lc.rank, lc.alpha):
+      raise AdapterError(f"module {module!r} has rank {adapter.rank}, alpha {adapter.alpha}; "
+                         f"the adapter has r={lc.rank}, lora_alpha={lc.alpha}")
+    name_a, name_b = peft_names(module)
+    out[name_a] = (adapter.lora_a, (lc.rank, adapter.in_features), True)
+    out[name_b] = (adapter.lora_b, (adapter.out_features, lc.rank), True)
+  for spec in huggingface.weight_specs(model.config):
+    variable = _module(model, spec.path)
+    shape = tuple(variable.get_value().shape)
+    entry = (variable, shape[::-1] if spec.transpose else shape, spec.transpose)
+    out[PEFT_PREFIX + spec.hf_name] = entry
+    module = spec.hf_name.removesuffix(".weight")
+    if spec.path[-1] == "kernel" and getattr(_module(model, spec.path[:-1]), "adapter", None):
+      out[base_layer_name(module)] = entry
+  return out
+
+
+def load_peft(model, adapter_dir: str) -> LoraConfig:
+  """Load a PEFT LoRA adapter into `model`: adapters are attached as its adapter_config.json
+  says (PEFT's matching: a listed name that selects nothing is skipped, as PEFT skips it), or,
+  on a model that has them already, must be exactly those; then every tensor of the file is
+  placed (whole weights PEFT saved beside the adapters replace the model's). A tensor that
+  names nothing of the model as PEFT names it, or of the wrong shape, is an error naming it; so
+  is an adapted module the file has no A or B for."""
+  lc = config_from_peft(read_peft_config(adapter_dir))
+  chosen = select(model.config, lc.targets, strict=False)
+  if not adapters(model):
+    apply(model, lc, strict=False)
+  found = adapters(model)
+  if set(found) != set(chosen):
+    extra = sorted(set(found) ^ set(chosen))[0]
+    raise AdapterError(f"module {extra!r}: the model's adapters differ from {adapter_dir}'s "
+                       "target_modules")
+  targets = _peft_targets(model, lc)
+  path = os.path.join(adapter_dir, WEIGHTS_FILE)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"missing {path}")
+  with safe_open(path, framework="np") as f:
+    names = list(f.keys())
+    for name in names:
+      if name not in targets:
+        raise AdapterError(f"adapter tensor {name!r} in {path} names no adapted module or weight "
+                           f"of this {model.config.family} model")
+    needed = [n for module in found for n in peft_names(module)]
+    missing = [name for name in needed if name not in names]
+    if missing:
+      raise AdapterError(f"adapter tensor {missing[0]!r} is missing from {path}")
+    for name in names:
+      variable, want, transpose = targets[name]
+      _assign(variable, f.get_tensor(name), want, name, transpose)
+  return lc

@@ -1,0 +1,459 @@
+"""LoRA adapters (stabledrl_jax.lora): the forward against float64 NumPy for every targeted
+module, zero B is the base model, only adapters train, merge, sharding, PEFT's rules and errors
+(fast); PEFT round trips against torch's `peft` on official-format tiny checkpoints (slow)."""
+import functools
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from stabledrl_jax import lora, models, optim, sharding
+
+_REHEARSAL = Path(__file__).resolve().parent / "rehearsal_test.py"
+# Every linear layer of the family's official checkpoint, by PEFT name (LLaDA's `ff_out` also
+# names the head; the Qwen-style head is `lm_head`).
+ALL = {"llada": ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out"),
+       "sdar": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "lm_head")}
+
+
+def tiny(family: str, **changes) -> models.ModelConfig:
+  return models.tiny(**{**models.family_options(family), **changes})
+
+
+def randomise(model, seed: int = 1, scale: float = 0.3) -> None:
+  """Random A and B (a zero B would hide every product with A), where they were placed."""
+  state = nnx.state(model, lora.ADAPTER)
+  leaves, treedef = jax.tree.flatten(state)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  nnx.update(model, jax.tree.unflatten(treedef, [
+      jax.device_put(scale * jax.random.normal(k, x.shape, x.dtype), x.sharding)
+      for k, x in zip(keys, leaves)]))
+
+
+def adapted(family: str, *, rank: int = 4, alpha: float = 6.0, seed: int = 0, **changes):
+  model = models.create(tiny(family, **changes), seed=seed)
+  lora.apply(model, lora.LoraConfig(rank=rank, alpha=alpha, targets=ALL[family]))
+  randomise(model)
+  return model
+
+
+def params(model, what) -> dict:
+  return {"/".join(map(str, sharding.path_keys(p))): np.asarray(x)
+          for p, x in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(model, what)))}
+
+
+@functools.partial(nnx.jit, static_argnames=("attention", "block_size"))
+def logits(model, ids, attention="full", block_size=None):
+  return model.logits(ids, attention=attention, block_size=block_size)
+
+
+def attention_of(family: str) -> dict:
+  return {"attention": "full"} if family == "llada" else {"attention": "block_causal",
+                                                          "block_size": 4}
+
+
+# ----------------------------------------------------------------------------- the forward
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_every_targeted_module_computes_wx_plus_scaled_bax_float64(family):
+  model = adapted(family, rank=4, alpha=6.0)
+  found = lora.adapters(model)
+  n_layers = model.config.n_layers
+  assert len(found) == 7 * n_layers + 1  # every block's seven projections and the head
+  head = "model.transformer.ff_out" if family == "llada" else "lm_head"
+  assert head in found  # LLaDA: `ff_out` selects the head as PEFT's suffix rule does
+  rng = np.random.default_rng(0)
+  for name, path in lora.linear_modules(model.config).items():
+    linear = lora._module(model, path)
+    w = np.asarray(linear.kernel[...], np.float64)  # [D_in, D_out]
+    a = np.asarray(found[name].lora_a[...], np.float64)  # [D_in, r]
+    b = np.asarray(found[name].lora_b[...], np.float64)  # [r, D_out]
+    x = rng.standard_normal((6, w.shape[0]))
+    want = x @ w + (6.0 / 4) * (x @ a) @ b  # (W x + (α/r) B A x), rows as vectors
+    if path == ("head",):
+      got = model.head_logits(jnp.asarray(x[None], jnp.float32))[0]
+    else:
+      got = linear(jnp.asarray(x, jnp.float32))
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5,
+                               err_msg=name)
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_zero_b_gives_the_base_model_exactly(family):
+  cfg = tiny(family)
+  base = models.create(cfg, seed=3)
+  model = models.create(cfg, seed=3)
+  lora.apply(model, lora.LoraConfig(rank=4, alpha=16, targets=ALL[family]))
+  assert lora.num_params(model) > 0
+  ids = jax.random.randint(jax.random.key(0), (2, 12), 0, cfg.vocab_size)
+  kw = attention_of(family)
+  # Op by op, x W + 0 is x W to the bit; a compiled program may fuse the two differently.
+  np.testing.assert_array_equal(np.asarray(model.logits(ids, **kw)),
+                                np.asarray(base.logits(ids, **kw)))
+  np.testing.assert_allclose(np.asarray(logits(model, ids, **kw)),
+                             np.asarray(logits(base, ids, **kw)), rtol=0, atol=1e-6)
+  if family == "sdar":
+    np.testing.assert_array_equal(np.asarray(model.staircase_logits(ids, ids)),
+                                  np.asarray(base.staircase_logits(ids, ids)))
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_every_entry_point_sees_the_adapters_and_merge_equals_them(family):
+  model = adapted(family)
+  ids = jax.random.randint(jax.random.key(1), (2, 8), 0, model.config.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(8), (2, 8))
+  merged = lora.merge(nnx.clone(model))
+  assert lora.adapters(merged) == {} and merged.blocks[0].attn.q_proj.kernel[...].dtype == jnp.float32
+  outs = lambda m: [m.logits(ids, **attention_of(family)),
+                    m.head_logits(m.forward_kv(ids, positions_BxT=pos, valid_BxT=pos >= 0)[0])]
+  if family == "sdar":
+    outs_sdar = outs
+    outs = lambda m: outs_sdar(m) + [m.staircase_logits(ids, ids), m.cached_logits(
+        ids, m.init_cache(2, 16), positions_BxT=pos, commit=True)[0]]
+  base = models.create(model.config, seed=0)
+  for got, want, plain in zip(outs(model), outs(merged), outs(base)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+    assert np.abs(np.asarray(got) - np.asarray(plain)).max() > 1e-2  # the adapters act
+
+
+def test_dropout_acts_only_while_a_key_is_set():
+  model = models.create(tiny("sdar"), seed=0)
+  lora.apply(model, lora.LoraConfig(rank=4, alpha=4, dropout=0.5, targets=("q_proj",)))
+  randomise(model)
+  q = model.blocks[0].attn.q_proj
+  x = jax.random.normal(jax.random.key(2), (16, 64))
+  plain = np.asarray(q(x))
+  lora.set_dropout_key(model, jax.random.key(5))
+  dropped = np.asarray(q(x))
+  np.testing.assert_array_equal(dropped, np.asarray(q(x)))  # one key, one mask
+  assert np.abs(dropped - plain).max() > 1e-3
+  lora.set_dropout_key(model, None)
+  np.testing.assert_array_equal(np.asarray(q(x)), plain)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _optim_config():
+  return ml_collections.ConfigDict(dict(decay_steps=0, moment_dtype="float32", b1=0.9, b2=0.999,
+                                        weight_decay=0.01, grad_clip=1.0))
+
+
+@nnx.jit(donate_argnames=("model", "optimizer"))
+def _step(model, optimizer, ids):
+  def loss_fn(m):
+    logp = jax.nn.log_softmax(m.logits(ids, attention="block_causal", block_size=4))
+    return -jnp.mean(jnp.take_along_axis(logp, ids[..., None], axis=-1))
+  loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, lora.ADAPTER))(model)
+  return loss, optim.apply(model, optimizer, grads)
+
+
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_only_adapters_change_and_the_optimiser_holds_only_them(param_dtype):
+  model = models.create(tiny("sdar", param_dtype=param_dtype), seed=0)
+  lora.apply(model, lora.LoraConfig(rank=4, alpha=8, targets=ALL["sdar"]))
+  assert lora.trainable(model) is lora.ADAPTER
+  optimizer = nnx.Optimizer(model, optim.make_optimizer(1e-2, 0, 10, _optim_config()),
+                            wrt=lora.trainable(model))
+  base_before = params(model, nnx.Not(lora.ADAPTER))
+  adapters_before = params(model, lora.ADAPTER)
+  ids = jax.random.randint(jax.random.key(0), (4, 16), 0, model.config.vocab_size)
+  for _ in range(2):
+    loss, out = _step(model, optimizer, ids)
+  assert np.isfinite(float(loss)) and not bool(out["skipped"])
+  base_after, adapters_after = params(model, nnx.Not(lora.ADAPTER)), params(model, lora.ADAPTER)
+  assert set(base_after) == set(base_before)
+  for name, value in base_before.items():
+    np.testing.assert_array_equal(base_after[name], value, err_msg=name)
+    if name.endswith("kernel"):
+      assert value.dtype == np.dtype(param_dtype)
+  assert all(v.dtype == np.float32 for v in adapters_after.values())
+  changed = [n for n, v in adapters_before.items() if np.abs(adapters_after[n] - v).max() > 0]
+  assert any(n.endswith("lora_b") for n in changed) and any(n.endswith("lora_a") for n in changed)
+  # Adam's two moments per adapter parameter; every other leaf of the state is a scalar.
+  moments = [x for x in jax.tree.leaves(nnx.state(optimizer, nnx.OptState)) if np.ndim(x)]
+  n = lora.num_params(model)
+  assert sum(int(np.prod(np.shape(x))) for x in moments) == 2 * n
+  assert n == 4 * sum(sum(k.shape) for k in (
+      lora._module(model, p).kernel[...] for p in lora.linear_modules(model.config).values()))
+
+
+def _assert_split_like_kernels(model) -> None:
+  for name, adapter in lora.adapters(model).items():
+    kernel = lora._module(model, lora.linear_modules(model.config)[name]).kernel[...]
+    spec = tuple(kernel.sharding.spec) + (None,) * 2
+    assert tuple(adapter.lora_a[...].sharding.spec)[:1] in ((spec[0],), ()), name
+    assert (tuple(adapter.lora_b[...].sharding.spec) + (None,))[1] == spec[1], name
+
+
+def test_adapters_are_sharded_like_their_kernel():
+  mesh = sharding.make_mesh({"fsdp": 2, "tensor": 4})
+  model = sharding.create_model(tiny("llada", n_kv_heads=4), 0, mesh)
+  lora.apply(model, lora.LoraConfig(rank=4, alpha=8, targets=ALL["llada"]))
+  randomise(model)
+  _assert_split_like_kernels(model)
+  assert model.blocks[0].attn.q_proj.adapter.lora_b[...].sharding.spec[1] == "tensor"
+  copy = sharding.resharded(model, sharding.make_mesh({"fsdp": 8}))  # param_shardings' rules
+  _assert_split_like_kernels(copy)
+  assert copy.blocks[0].attn.q_proj.adapter.lora_a[...].sharding.spec[0] == "fsdp"
+  ids = jax.random.randint(jax.random.key(0), (8, 8), 0, model.config.vocab_size)
+  np.testing.assert_allclose(np.asarray(logits(copy, ids)), np.asarray(logits(model, ids)),
+                             rtol=1e-4, atol=1e-4)  # another reduction order over the devices
+
+
+# ----------------------------------------------------------------------------- PEFT's rules
+
+
+def test_targets_follow_peft_matching():
+  cfg = tiny("llada")
+  blocks = [f"model.transformer.blocks.{i}.ff_out" for i in range(cfg.n_layers)]
+  assert sorted(lora.select(cfg, ("ff_out",))) == sorted(blocks + ["model.transformer.ff_out"])
+  assert sorted(lora.select(cfg, r".*blocks\.\d+\.ff_out")) == blocks  # a string: full match
+  assert "model.transformer.ff_out" not in lora.select(cfg, "all-linear")
+  assert len(lora.select(cfg, "all-linear")) == 7 * cfg.n_layers
+  with pytest.raises(lora.AdapterError, match="lora target 'o_proj' selects no module of family "
+                     "'llada'"):
+    lora.select(cfg, ("q_proj", "o_proj"))
+  assert sorted(lora.select(cfg, ("q_proj", "o_proj"), strict=False)) == [
+      f"model.transformer.blocks.{i}.q_proj" for i in range(cfg.n_layers)]
+  # d1's diffu-GRPO list (Qwen/LLaMA names) on LLaDA: PEFT adapts q, k, v and up_proj only.
+  d1 = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj", "gate_proj")
+  assert {n.rsplit(".", 1)[-1] for n in lora.select(cfg, d1, strict=False)} == {
+      "q_proj", "k_proj", "v_proj", "up_proj"}
+  model = models.create(cfg)
+  lora.apply(model, lora.LoraConfig(rank=2, alpha=4, targets=r".*blocks\.1\.(q_proj|ff_out)"))
+  targets = lora.config_of(model).targets  # no list of names selects exactly these
+  assert set(lora.select(cfg, targets)) == {"model.transformer.blocks.1.q_proj",
+                                            "model.transformer.blocks.1.ff_out"}
+
+
+def test_peft_config_options_that_change_the_math_are_refused():
+  good = lora.peft_config(lora.LoraConfig(rank=8, alpha=16, dropout=0.05,
+                                          targets=("v_proj", "q_proj")), "org/base")
+  assert (good["r"], good["lora_alpha"], good["target_modules"]) == (8, 16, ["q_proj", "v_proj"])
+  assert lora.config_from_peft(good) == lora.LoraConfig(8, 16.0, 0.05, ("q_proj", "v_proj"))
+  for key, value in (("use_dora", True), ("use_rslora", True), ("bias", "all"),
+                     ("layers_to_transform", [0]), ("rank_pattern", {"q_proj": 4})):
+    with pytest.raises(lora.AdapterError, match=f"adapter_config.json {key}=.* is not supported"):
+      lora.config_from_peft({**good, key: value})
+  with pytest.raises(lora.AdapterError, match="peft_type='PREFIX_TUNING'"):
+    lora.config_from_peft({**good, "peft_type": "PREFIX_TUNING"})
+
+
+def test_export_load_round_trip_and_errors_name_the_tensor(tmp_path):
+  model = adapted("llada", rank=4, alpha=8.0)
+  out = str(tmp_path / "adapter")
+  lora.export_peft(model, out, base_model_name_or_path="GSAI-ML/LLaDA-8B-Instruct")
+  config = json.load(open(os.path.join(out, "adapter_config.json")))
+  assert config["target_modules"] == sorted(ALL["llada"]) and config["peft_type"] == "LORA"
+  tensors = load_file(os.path.join(out, "adapter_model.safetensors"))
+  head = "base_model.model.model.transformer.ff_out"
+  assert tensors[head + ".lora_A.weight"].shape == (4, 64)
+  assert tensors[head + ".lora_B.weight"].shape == (model.config.vocab_size, 4)
+  fresh = models.create(model.config, seed=0)
+  assert lora.load_peft(fresh, out) == lora.config_of(model)
+  for name, value in params(model, lora.ADAPTER).items():
+    np.testing.assert_array_equal(params(fresh, lora.ADAPTER)[name], value)
+  path = os.path.join(out, "adapter_model.safetensors")
+  stray = "base_model.model.model.transformer.wte.lora_embedding_A"
+  save_file({**tensors, stray: np.zeros((4, 128), np.float32)}, path)
+  with pytest.raises(lora.AdapterError, match=f"adapter tensor '{stray}' .* names no adapted "
+                     "module or weight"):
+    lora.load_peft(models.create(model.config), out)
+  missing = head + ".lora_B.weight"
+  save_file({k: v for k, v in tensors.items() if k != missing}, path)
+  with pytest.raises(lora.AdapterError, match=f"adapter tensor '{missing}' is missing"):
+    lora.load_peft(models.create(model.config), out)
+  save_file({**tensors, missing: np.zeros((5, 4), np.float32)}, path)
+  with pytest.raises(lora.AdapterError, match=rf"'{missing}' has shape \(5, 4\), expected "
+                     rf"\({model.config.vocab_size}, 4\)"):
+    lora.load_peft(models.create(model.config), out)
+
+
+# ----------------------------------------------------------------------------- slow: torch peft
+
+
+def _rehearsal():
+  spec = importlib.util.spec_from_file_location("rehearsal_for_lora", _REHEARSAL)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not (module.GSM8K / "train.jsonl").exists():
+    pytest.skip(f"public data absent: {module.GSM8K}")
+  return module
+
+
+def _random_lora(peft_model, seed: int) -> None:
+  import torch
+  torch.manual_seed(seed)
+  with torch.no_grad():
+    for name, p in peft_model.named_parameters():
+      if "lora_" in name:
+        p.normal_(0.0, 0.2)
+
+
+def _sdar_torch(ckpt: Path):
+  """SDAR's weights as transformers' Qwen3 (its architecture; block size 1 is causal)."""
+  from transformers import Qwen3Config, Qwen3ForCausalLM
+  hf = json.load(open(ckpt / "config.json"))
+  keep = {k: v for k, v in hf.items() if k not in ("model_type", "architectures", "auto_map")}
+  return Qwen3ForCausalLM.from_pretrained(str(ckpt), config=Qwen3Config(**keep)).eval()
+
+
+@pytest.mark.slow
+def test_peft_round_trip_sdar_official_format(tmp_path):
+  torch = pytest.importorskip("torch")
+  peft = pytest.importorskip("peft")
+  ckpt = tmp_path / "tiny-sdar"
+  _rehearsal().make_sdar(ckpt)
+  config = peft.LoraConfig(r=4, lora_alpha=12, lora_dropout=0.05, task_type="CAUSAL_LM",
+                           target_modules=list(ALL["sdar"]))
+  made = peft.get_peft_model(_sdar_torch(ckpt), config)
+  _random_lora(made, 0)
+  made.save_pretrained(str(tmp_path / "theirs"))
+  ids = np.random.default_rng(0).integers(0, 1000, (2, 11))
+  with torch.no_grad():
+    want = made.eval()(torch.tensor(ids)).logits.numpy()
+  model, _ = models.load_pretrained(str(ckpt), dtype="float32")
+  assert set(lora.load_peft(model, str(tmp_path / "theirs")).targets) == set(ALL["sdar"])
+  assert len(lora.adapters(model)) == 7 * model.config.n_layers + 1
+  got = np.asarray(logits(model, jnp.asarray(ids), attention="block_causal", block_size=1))
+  assert np.abs(got - want).max() < 1e-4
+  lora.export_peft(model, str(tmp_path / "ours"), base_model_name_or_path=str(ckpt))
+  ours = load_file(str(tmp_path / "ours" / "adapter_model.safetensors"))
+  theirs = load_file(str(tmp_path / "theirs" / "adapter_model.safetensors"))
+  assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}
+  assert "base_model.model.lm_head.base_layer.weight" in ours  # PEFT saves a targeted head whole
+  served = peft.PeftModel.from_pretrained(_sdar_torch(ckpt), str(tmp_path / "ours")).eval()
+  with torch.no_grad():
+    back = served(torch.tensor(ids)).logits.numpy()
+  assert np.abs(back - want).max() < 1e-5
+
+
+LLADA_TO_LLAMA = [("model.transformer.wte.", "model.embed_tokens."),
+                  ("model.transformer.ln_f.", "model.norm."),
+                  ("model.transformer.ff_out.", "lm_head."),
+                  ("model.transformer.blocks.", "model.layers."),
+                  ("attn_norm", "input_layernorm"), ("ff_norm", "post_attention_layernorm"),
+                  ("attn_out", "self_attn.o_proj"), ("q_proj", "self_attn.q_proj"),
+                  ("k_proj", "self_attn.k_proj"), ("v_proj", "self_attn.v_proj"),
+                  ("ff_proj", "mlp.gate_proj"), ("up_proj", "mlp.up_proj"),
+                  ("ff_out", "mlp.down_proj")]
+
+
+def _llada_modules(hf: dict):
+  """A torch module tree with LLaDA-8B-Instruct's module names (LLaDAModelLM.model.transformer:
+  wte, blocks.i.{q,k,v}_proj, attn_out, ff_proj, up_proj, ff_out, the norms, ln_f, ff_out): what
+  PEFT walks on the official model; its forward is not needed (the math is checked through
+  LLaMA below)."""
+  import torch
+  d, mlp, vocab = hf["d_model"], hf["mlp_hidden_size"], hf["embedding_size"]
+  kv = d // hf["n_heads"] * hf["n_kv_heads"]
+
+  def block():
+    b = torch.nn.Module()
+    for name, (i, o) in dict(q_proj=(d, d), k_proj=(d, kv), v_proj=(d, kv), attn_out=(d, d),
+                             ff_proj=(d, mlp), up_proj=(d, mlp), ff_out=(mlp, d)).items():
+      setattr(b, name, torch.nn.Linear(i, o, bias=False))
+    b.attn_norm, b.ff_norm = torch.nn.RMSNorm(d), torch.nn.RMSNorm(d)
+    return b
+
+  root = torch.nn.Module()
+  root.prepare_inputs_for_generation = None  # PEFT's CAUSAL_LM wrapper looks it up
+  root.model = torch.nn.Module()
+  root.model.transformer = torch.nn.ModuleDict(dict(
+      wte=torch.nn.Embedding(vocab, d), blocks=torch.nn.ModuleList(
+          [block() for _ in range(hf["n_layers"])]),
+      ln_f=torch.nn.RMSNorm(d), ff_out=torch.nn.Linear(d, vocab, bias=False)))
+  return root
+
+
+def _llama_logits(state: dict, hf: dict, ids: np.ndarray) -> np.ndarray:
+  """Bidirectional LLaMA logits (LLaDA's architecture) of LLaDA-named weights."""
+  import torch
+  from transformers import LlamaConfig, LlamaForCausalLM
+  renamed = {}
+  for name, value in state.items():
+    for old, new in LLADA_TO_LLAMA:
+      name = name.replace(old, new)
+    renamed[name] = value
+  llama = LlamaForCausalLM(LlamaConfig(
+      vocab_size=hf["embedding_size"], hidden_size=hf["d_model"],
+      intermediate_size=hf["mlp_hidden_size"], num_hidden_layers=hf["n_layers"],
+      num_attention_heads=hf["n_heads"], num_key_value_heads=hf["n_kv_heads"],
+      rope_theta=hf["rope_theta"], rms_norm_eps=hf["rms_norm_eps"],
+      tie_word_embeddings=False)).eval()
+  llama.load_state_dict(renamed, strict=True)
+  visible = torch.zeros(ids.shape[0], 1, ids.shape[1], ids.shape[1])
+  with torch.no_grad():
+    return llama(torch.tensor(ids), attention_mask=visible).logits.numpy()
+
+
+def _merged_state(peft_model) -> dict:
+  import torch
+  with torch.no_grad():
+    return {k: v.clone() for k, v in peft_model.merge_and_unload().state_dict().items()}
+
+
+@pytest.mark.slow
+def test_peft_round_trip_llada_official_format(tmp_path):
+  import torch
+  peft = pytest.importorskip("peft")
+  ckpt = tmp_path / "tiny-llada"
+  _rehearsal().make_llada(ckpt)
+  hf = json.load(open(ckpt / "config.json"))
+  base = {k: torch.tensor(v) for k, v in load_file(str(ckpt / "model.safetensors")).items()}
+
+  def official():
+    tree = _llada_modules(hf)
+    tree.load_state_dict(base, strict=True)  # the tree's names are the checkpoint's
+    return tree
+
+  made = peft.get_peft_model(official(), peft.LoraConfig(
+      r=4, lora_alpha=8, lora_dropout=0.05, target_modules=list(ALL["llada"])))
+  _random_lora(made, 1)
+  made.save_pretrained(str(tmp_path / "theirs"))
+  theirs = load_file(str(tmp_path / "theirs" / "adapter_model.safetensors"))
+  assert "base_model.model.model.transformer.ff_out.lora_B.weight" in theirs  # the head too
+  ids = np.random.default_rng(1).integers(0, 1000, (2, 11))
+  want = _llama_logits(_merged_state(made), hf, ids)
+
+  model, _ = models.load_pretrained(str(ckpt), dtype="float32")
+  lora.load_peft(model, str(tmp_path / "theirs"))
+  got = np.asarray(logits(model, jnp.asarray(ids), attention="full"))
+  assert np.abs(got - want).max() < 1e-4
+  lora.export_peft(model, str(tmp_path / "ours"), base_model_name_or_path=str(ckpt))
+  ours = load_file(str(tmp_path / "ours" / "adapter_model.safetensors"))
+  assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}
+  served = peft.PeftModel.from_pretrained(official(), str(tmp_path / "ours"))
+  back = _llama_logits(_merged_state(served), hf, ids)
+  assert np.abs(back - want).max() < 1e-5
+
+
+def test_whole_weights_peft_saves_beside_the_adapters_replace_the_models(tmp_path):
+  model = adapted("sdar", rank=2, alpha=2.0)
+  out = str(tmp_path / "adapter")
+  lora.export_peft(model, out)
+  path = os.path.join(out, "adapter_model.safetensors")
+  tensors = load_file(path)
+  head = "base_model.model.lm_head.base_layer.weight"
+  np.testing.assert_array_equal(tensors[head], np.asarray(model.head.kernel[...]).T)
+  tensors[head] = tensors[head] + 1.0
+  save_file(tensors, path)
+  fresh = models.create(model.config, seed=0)
+  lora.load_peft(fresh, out)
+  np.testing.assert_array_equal(np.asarray(fresh.head.kernel[...]), tensors[head].T)
+  resized = "base_model.model.model.embed_tokens.weight"  # a vocabulary grown in training
+  save_file({**tensors, resized: np.zeros((130, 64), np.float32)}, path)
+  with pytest.raises(lora.AdapterError, match=rf"'{resized}' has shape \(130, 64\), expected "
+                     r"\(128, 64\)"):
+    lora.load_peft(models.create(model.config), out)
