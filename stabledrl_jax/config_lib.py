@@ -116,6 +116,8 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.rl.num_samples = 2          # M Monte Carlo masks per completion
   c.rl.coupling = "coupled"     # or "independent" (the official code)
   c.rl.p_mask_prompt = 0.0 if family == "sdar" else 0.15
+  c.rl.min_mask_prob = 1e-3     # ε of the masking level t ~ U[ε, 1] (complementary: U[ε, 1 - ε];
+                                # DiffuCoder's coupled-GRPO samples t in [0.2, 0.8])
   c.rl.epsilon = 5.0            # StableDRL clip: log ratio in [log(max(1-ε,0)), log(1+ε)]
   c.rl.max_ratio = 0.0          # > 0: clip the ratio at this value from above only (official: 5)
   c.rl.ppo_epsilon = 0.5        # GRPO / ESPO clip

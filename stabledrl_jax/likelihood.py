@@ -18,11 +18,12 @@ Array = jax.Array
 
 
 def sample(key: Array, seqs: Sequences, *, scheme: str, num_samples: int, p_mask_prompt: float,
-           block_size: int) -> estimators.MaskSample:
-  """`estimators.sample_masks` for this batch's completion, counted and prompt positions."""
+           block_size: int, **options) -> estimators.MaskSample:
+  """`estimators.sample_masks` for this batch's completion, counted and prompt positions
+  (`options`: its other settings, e.g. `min_mask_prob`)."""
   return estimators.sample_masks(key, seqs.completion_BxL, scheme=scheme, num_samples=num_samples,
                                  counted_BxL=seqs.counted_BxL, prompt_BxL=seqs.prompt_BxL,
-                                 p_mask_prompt=p_mask_prompt, block_size=block_size)
+                                 p_mask_prompt=p_mask_prompt, block_size=block_size, **options)
 
 
 def masked_hidden(model, seqs: Sequences, noised_BxMxL: Array, *, staircase: bool,

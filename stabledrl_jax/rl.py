@@ -56,6 +56,7 @@ class Objective:
   scheme: str               # estimators.SCHEMES
   num_samples: int          # M
   p_mask_prompt: float
+  min_mask_prob: float      # ε: masking levels from [ε, 1] ([ε, 1 - ε] for complementary pairs)
   block_size: int           # sampler.block_length: the family's block
   staircase: bool           # SDAR's block-causal likelihood
   coupling: str             # "coupled" or "independent" old/new masks
@@ -84,6 +85,8 @@ class Objective:
            "epsilon_high", self.epsilon_high,
            f"rl.objective={self.name!r} has no upper clip of its own (GRPO has)")
     _check(0 <= self.p_mask_prompt <= 1, "p_mask_prompt", self.p_mask_prompt, "must lie in [0, 1]")
+    _check(0 <= self.min_mask_prob < (0.5 if self.scheme == "complementary" else 1), "min_mask_prob",
+           self.min_mask_prob, "must lie in [0, 1), and below 0.5 for rl.scheme=complementary")
     _check(not (self.staircase and self.p_mask_prompt), "p_mask_prompt", self.p_mask_prompt,
            "block diffusion never noises the prompt; set 0")
     _check(0 <= self.adversarial <= 1, "adversarial", self.adversarial,
@@ -104,7 +107,7 @@ class Objective:
     ppo = OBJECTIVES[r.objective].clip == "ppo"
     return cls(name=r.objective, group_size=r.group_size, scheme=r.scheme,
                num_samples=r.num_samples, p_mask_prompt=r.p_mask_prompt,
-               block_size=c.sampler.block_length, staircase=c.family == "sdar",
+               min_mask_prob=r.min_mask_prob, block_size=c.sampler.block_length, staircase=c.family == "sdar",
                coupling=r.coupling, epsilon=r.ppo_epsilon if ppo else r.epsilon,
                max_ratio=r.max_ratio or None, epsilon_high=r.epsilon_high or None,
                kl_coef=r.kl_coef, spg_omega=r.spg_omega, spg_beta=r.spg_beta,
@@ -198,7 +201,8 @@ def behaviour_logp(model, seqs: Sequences, key: Array, obj: Objective):
 
 def _draw_masks(key: Array, seqs: Sequences, obj: Objective) -> estimators.MaskSample:
   return likelihood.sample(key, seqs, scheme=obj.scheme, num_samples=obj.num_samples,
-                           p_mask_prompt=obj.p_mask_prompt, block_size=obj.block_size)
+                           p_mask_prompt=obj.p_mask_prompt, block_size=obj.block_size,
+                           min_mask_prob=obj.min_mask_prob)
 
 
 def _where_rows(rows_B: Array, on: estimators.MaskSample,

@@ -72,7 +72,8 @@ def test_settings_name_bad_values():
       ("sdar", {"rl.objective": "bogus"}, "rl.objective"),
       ("sdar", {"task.name": "bogus"}, "task.name"),
       ("llada", {"rl.scheme": "complementary", "rl.num_samples": 3}, "rl.num_samples"),
-      ("llada", {"sft.scheme": "complementary"}, "sft.scheme")):
+      ("llada", {"sft.scheme": "complementary"}, "sft.scheme"),
+      ("llada", {"rl.scheme": "complementary", "rl.min_mask_prob": 0.5}, "rl.min_mask_prob")):
     c = config_lib.base_config(family)
     for key, value in edits.items():
       section, name = key.split(".")

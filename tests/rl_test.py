@@ -102,3 +102,17 @@ def test_adversarial_rows_use_hard_old_and_easy_new_masks(counting_model, object
   plain = rl.Objective(**{**obj.__dict__, "adversarial": 0.0})
   assert rl.behaviour_pass(counting_model, None, seqs, jnp.zeros(8), jax.random.key(3),
                               plain)[0].adversarial is None
+
+
+def test_the_masking_level_range_reaches_the_masks(objective):
+  """rl.min_mask_prob = 0.2 with complementary pairs: every level lies in [0.2, 0.8], read back
+  from the weights (1 / (p n) on a pair's first mask, n the completion length)."""
+  seqs = _counting_batch(np.random.default_rng(4), 4)
+  obj = objective("llada", {"rl.scheme": "complementary", "rl.min_mask_prob": 0.2,
+                            "rl.num_samples": 4})
+  masks = rl._draw_masks(jax.random.key(0), seqs, obj)
+  n = np.asarray(seqs.completion_BxL).sum(-1)[:, None]
+  w = np.asarray(masks.weight_BxMxL)
+  first = np.asarray(masks.noised_BxMxL)[:, 0::2] & np.asarray(seqs.counted_BxL)[:, None]
+  p = 1.0 / (w[:, 0::2] * n[..., None])[first]
+  assert p.size and (p >= 0.2 - 1e-6).all() and (p <= 0.8 + 1e-6).all()
