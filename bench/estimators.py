@@ -259,7 +259,7 @@ def smoke_run(family: str, root: str) -> Policy:
                 build.data(c, tok, os.path.join(root, f"smoke_{family}")))
 
 
-def rollouts(policy: Policy, model, prompts: int, key, smoke: bool):
+def policy_rollouts(policy: Policy, model, prompts: int, key, smoke: bool):
   """The policy's rollouts on the first `prompts` held-out prompts x G: (Sequences, advantages
   `[B]`, mean reward). Smoke: a random model earns no reward, so the advantages are random numbers
   centred per group."""
@@ -373,7 +373,7 @@ def measure(policy: Policy, label: str, model, args, key) -> tuple[Context, list
   """Every estimator and budget on one checkpoint's rollouts."""
   fam = policy.family
   k_roll, k_ref, k_draw = jax.random.split(key, 3)
-  seqs, adv, reward = rollouts(policy, model, args.prompts, k_roll, args.smoke)
+  seqs, adv, reward = policy_rollouts(policy, model, args.prompts, k_roll, args.smoke)
   n_B = np.asarray(jnp.sum(seqs.counted_BxL, -1), np.float64)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   g_ref, ref_flat, ref_cos = reference_gradient(graphdef, params, rest, seqs, adv, k_ref, fam,
