@@ -51,7 +51,7 @@ def task(c: ml_collections.ConfigDict) -> tasks.Task:
   try:
     t = tasks.from_config(c.task)
   except KeyError as e:
-    raise ValueError(f"config.task.name={c.task.name!r}: {str(e).strip(chr(34) + chr(39))}") from e
+    raise ValueError(f"config.task.name={c.task.name!r}: {e.args[0]}") from e
   if c.sft.steps and t.reference_completion is None and t.demonstrate is None:
     raise ValueError(f"config.sft.steps={c.sft.steps}: task {c.task.name!r} has no "
                      "reference_completion to train on; set 0")
