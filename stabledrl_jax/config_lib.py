@@ -90,7 +90,9 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.task.max_prompt_len = 12
   c.task.prompt_style = "compact"  # "compact" (tiny models) or "plain" (pretrained models)
   c.task.chat = False           # wrap plain prompts in the tokenizer's chat template
-  c.task.reward_weights = ml_collections.ConfigDict({"correctness": 1.0})
+  # {reward name: weight} (Task.rewards); empty: the task's own mix (Task.default_weights; sorting:
+  # half partial credit, half the exact answer)
+  c.task.reward_weights = ml_collections.ConfigDict()
   c.task.prompt_field = "question"  # jsonl: the prompt's key in each record
   c.task.answer_field = "answer"    # jsonl: the gold answer's key
   c.task.checker = "number"         # jsonl: number | math | import path of a reward function

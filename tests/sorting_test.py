@@ -81,3 +81,12 @@ def test_the_exact_reward_is_the_whole_answer():
   reward = get_task("sorting").reward_fn({"correctness": 0.0, "exact": 1.0})
   assert reward("<answer>01234567</answer>", {"digits": "53172604"}) == 1.0
   assert reward("<answer>01234576</answer>", {"digits": "53172604"}) == 0.0
+
+
+def test_the_default_reward_is_half_partial_credit_half_the_exact_answer():
+  """The config's empty `task.reward_weights` takes the task's mix: 6 of 8 positions right and
+  not exact is 0.5 * 6/8; exact is 0.5 + 0.5; a wrong length scores 0."""
+  reward = get_task("sorting").reward_fn({})
+  assert reward("<answer>01234576</answer>", {"digits": "53172604"}) == 0.375
+  assert reward("<answer>01234567</answer>", {"digits": "53172604"}) == 1.0
+  assert reward("<answer>0123456</answer>", {"digits": "53172604"}) == 0.0

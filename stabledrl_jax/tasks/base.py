@@ -106,8 +106,9 @@ class Task:
     return tokenizer.apply_chat_template(self.messages(example), add_generation_prompt=True)
 
   def reward_fn(self, weights: Mapping[str, float] | None = None) -> RewardFn:
-    """A weighted sum of named rewards; unknown names fail here, at config time."""
-    weights = dict(self.default_weights if weights is None else weights)
+    """A weighted sum of named rewards (none given: the task's `default_weights`); unknown names
+    fail here, at config time."""
+    weights = dict(weights or self.default_weights)
     return weighted_reward(self.rewards, weights)
 
   def reward(

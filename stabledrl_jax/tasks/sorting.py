@@ -6,7 +6,8 @@ Example keys: `digits` (the string to sort). There are 10^length instances (10^8
 *answer*: a sorted string is a test answer when its hash falls in the test bucket
 (`TEST_FRACTION` of them), and no training instance, for SFT or RL, ever has a test answer.
 Rewards: `correctness`, the fraction of answer positions right when the answer has the right
-length (else 0); `exact`, 1 for the whole sorted string (`is_correct`) and 0 otherwise.
+length (else 0); `exact`, 1 for the whole sorted string (`is_correct`) and 0 otherwise; by
+default half of each.
 """
 
 from __future__ import annotations
@@ -79,5 +80,9 @@ def reference_completion(example: base.Example) -> str:
   return f"<answer>{sorted_digits(example['digits'])}</answer>"
 
 
-TASK = base.Task.of_module("sorting", sys.modules[__name__], extra_rewards={
-    "exact": lambda completion, example: float(is_correct(completion, example))})
+TASK = base.Task.of_module(
+    "sorting", sys.modules[__name__],
+    extra_rewards={"exact": lambda completion, example: float(is_correct(completion, example))},
+    # Partial credit alone saturates (0.9 mean reward at 40% exactly sorted, README): half of the
+    # reward is for the whole answer.
+    default_weights={"correctness": 0.5, "exact": 0.5})
