@@ -39,6 +39,11 @@ estimates the cosine two independent references would have (`ρ = 1 - T/‖ḡ�
 of their mean summed over the coordinates); the cos column's ceiling is about `√ρ`. mean_field's
 M samples differ only by the prompt noise (LLaDA's `rl.p_mask_prompt`), or not at all (SDAR).
 
+One row is not an ELBO estimator: `trajectory` (rl.scheme=trajectory) scores the likelihood of
+the decoding steps the sampler took, deterministic, with the shrink `s = ceil(sampler.steps / M)`
+so that its forwards fit the budget; it is measured beside the others, marked as another quantity,
+and never recommended.
+
 Writes ROOT/estimators.md (the date, the exact command, the settings, the table and one
 recommendation per family drawn from it) and prints it.
 """
@@ -85,6 +90,7 @@ class Family(NamedTuple):
   staircase: bool       # SDAR: the block-causal likelihood of one `[x_t ; x_0]` forward
   block_size: int       # sampler.block_length
   p_mask_prompt: float  # rl.p_mask_prompt
+  steps: int            # sampler.steps (SDAR: per block): the trajectory's decoding steps
 
 
 class Estimator(NamedTuple):
@@ -95,7 +101,8 @@ class Estimator(NamedTuple):
   `rollouts.from_rollout` gives them); `per_sequence` says that scale is `log p(x)` rather than
   `log p(x)/n` (the table divides such estimates by n). `cost(m, fam, seqs)` gives (forwards,
   token-forwards) per sequence. `applies(family)` says whether the scheme is offered for the
-  family, `budget_ok(m)` whether it can spend a budget of `m`.
+  family, `budget_ok(m)` whether it can spend a budget of `m`. `elbo=False` marks an estimator
+  of another quantity than the ELBO (`trajectory`): measured, but never recommended.
   """
   name: str
   estimate: Callable
@@ -103,6 +110,7 @@ class Estimator(NamedTuple):
   per_sequence: bool = False
   applies: Callable[[str], bool] = lambda family: True
   budget_ok: Callable[[int], bool] = lambda m: True
+  elbo: bool = True
 
 
 def mask_elbo(scheme: str, model, seqs, key, m: int, fam: Family):
@@ -129,8 +137,36 @@ def mask_estimator(scheme: str) -> Estimator:
                    per_sequence=scheme == "stratified_l", budget_ok=budget_ok)
 
 
-# The table's schemes, one entry each (a non-mask estimator adds its own `Estimator`).
-ESTIMATORS: tuple[Estimator, ...] = tuple(mask_estimator(s) for s in estimators.SCHEMES)
+def trajectory_forwards(m: int, fam: Family) -> tuple[int, int]:
+  """`(J, s)` for a budget of `m` forwards: the shrink `s = ceil(steps / m)`, so the
+  `J = ceil(steps / s) <= m` forwards cover every decoding step (fewer than `m` where `m` does not
+  divide the steps)."""
+  s = -(-fam.steps // m)
+  return -(-fam.steps // s), s
+
+
+def trajectory_logp(model, seqs, key, m: int, fam: Family):
+  """TraceRL's (shrunk) trajectory log-likelihood of the rollouts' own decoding steps, `[B]`
+  (`likelihood.trajectory`): deterministic, `key` unused. Another quantity than the ELBO."""
+  j, s = trajectory_forwards(m, fam)
+  masks = likelihood.trajectory(seqs, num_forwards=j, shrink=s,
+                                block_size=fam.block_size if fam.staircase else None)
+  logp_BxMxL = likelihood.masked_logp(model, seqs, masks.noised_BxMxL, staircase=fam.staircase,
+                                      block_size=fam.block_size)
+  return losses.mc_elbo(logp_BxMxL, masks.weight_BxMxL)
+
+
+def trajectory_cost(m: int, fam: Family, seqs) -> tuple[int, int]:
+  """`J` forwards per sequence, each of every slot (twice the slots through the staircase)."""
+  return mask_cost(trajectory_forwards(m, fam)[0], fam, seqs)
+
+
+# The table's schemes, one entry each, then the estimators that are not mask draws.
+ESTIMATORS: tuple[Estimator, ...] = (
+    *(mask_estimator(s) for s in estimators.SCHEMES),
+    Estimator(estimators.TRAJECTORY, trajectory_logp, trajectory_cost, per_sequence=True,
+              elbo=False),
+)
 
 
 # ----------------------------------------------------------------------------- compiled pieces
@@ -220,7 +256,8 @@ class Policy(NamedTuple):
 
 
 def family_settings(c) -> Family:
-  return Family(c.family, c.family == "sdar", c.sampler.block_length, float(c.rl.p_mask_prompt))
+  return Family(c.family, c.family == "sdar", c.sampler.block_length, float(c.rl.p_mask_prompt),
+                c.sampler.steps)
 
 
 def load_run(workdir: str) -> Policy:
@@ -431,8 +468,10 @@ def recommendation(rows: list[Row], family: str, default: str) -> str:
   checkpoints (standard error from the draws); the best is the highest, or among those within two
   standard errors of it, the one with the lowest coupled log-ratio variance. A scheme is
   recommended over the family's default `rl.scheme` only where it beats the default's cosine by
-  more than two standard errors of the difference, at every budget."""
-  mine = [r for r in rows if r.family == family]
+  more than two standard errors of the difference, at every budget. Estimators of another
+  quantity than the ELBO (`Estimator.elbo`) are left out."""
+  other = {e.name for e in ESTIMATORS if not e.elbo}
+  mine = [r for r in rows if r.family == family and r.scheme not in other]
   if not mine:
     return ""
   parts, verdicts = [], []
@@ -487,7 +526,12 @@ def report(contexts: list[Context], rows: list[Row], defaults: dict[str, str], a
            "along the reference gradient of the StableDRL loss at lr = rl.lr; seed "
            f"{args.seed}. Variances on the per-token scale (stratified_l's per-sequence estimate "
            "divided by n; in the objective its log ratio is n times as large). The coupled log "
-           "ratio uses the same draw under θ and θ', the independent one another draw. Wall times: "
+           "ratio uses the same draw under θ and θ', the independent one another draw. "
+           "trajectory scores another quantity: the likelihood of the decoding steps the sampler "
+           "took (TraceRL, rl.scheme=trajectory), per sequence, deterministic, with the shrink "
+           "s = ceil(sampler.steps / M) (its forwards column: ceil(steps / s) <= M); it is not an "
+           "ELBO estimate, its cos says how far its gradient is from the ELBO's, and it is left "
+           "out of the recommendation. Wall times: "
            f"median of {args.repeats} compiled calls for the batch, on {jax.devices()[0].platform} "
            f"({os.cpu_count()} cores, shared with whatever else ran).", ""]
   for ctx in contexts:

@@ -90,11 +90,11 @@ def _sampling(sampler: str, gen_length: int, llada_steps: int, llada_block: int,
                                   steps=llada_steps, temperature=0.0, remasking="low_confidence",
                                   cfg_scale=0.0, cache=cache,
                                   threshold=llada_threshold if threshold else 0.0,
-                                  stop_ids=NEVER_STOP)
+                                  order="confidence", stop_ids=NEVER_STOP)
   return rollouts.SDARSampling(gen_length=gen_length, block_length=block_size, steps=sdar_steps,
                                strategy="low_confidence_static", threshold=0.0, temperature=0.0,
-                               top_k=0, top_p=1.0, use_cache=sampler == "sdar_cache",
-                               stop_ids=NEVER_STOP)
+                               top_k=0, top_p=1.0, order="confidence",
+                               use_cache=sampler == "sdar_cache", stop_ids=NEVER_STOP)
 
 
 def _compile(sampler: str, model, prompt_BxP, valid_BxP, key, sampling):

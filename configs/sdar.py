@@ -8,6 +8,8 @@ r"""StableDRL on a block-diffusion (SDAR) model.
       --config.task.source_dir=/path/to/gsm8k   # train.jsonl, test.jsonl; or --config.task.source=public
   # 8b fits a v5p-8 as it is; on a v6e-8 add (BUILD.md, ahead-of-time fit check):
   #   --config.model.attention_impl=blockwise --config.rl.accumulation=16
+  # 8b_lora: the 8b run training LoRA adapters alone (d1's r=128, alpha 64, dropout 0.05,
+  # lr 3e-6); it exports WORKDIR/hf (merged) and WORKDIR/hf_adapter (PEFT)
 
 Override any key with --config.a.b=value (e.g. --config.rl.objective=grpo). The presets are in
 `stabledrl_jax/presets.py`, every key's default in `stabledrl_jax/config_lib.py`.

@@ -7,6 +7,8 @@ Compiles, for the topology's chips and the config's mesh, the full RL train step
 for a rollout batch), with abstract, sharded parameters: no weights are read and no TPU is needed,
 only `libtpu` (`pip install "jax[tpu]"`). Prints per-chip memory (arguments, outputs, temporaries,
 total against the chip's HBM) and XLA's cost estimate, and exits 1 when either program does not fit.
+With LoRA (`model.lora`, e.g. the `8b_lora` presets) the model carries the config's adapters and the
+optimiser holds their moments alone, as in training.
 `--topology=cpu:N` compiles for N local CPU devices instead (for tests; HBM from `--hbm_gib`).
 
 The model shapes come from `model.checkpoint`'s config.json when that directory exists, else (a
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 from absl import app, flags
 from flax import nnx
 
-from stabledrl_jax import build, cli, models, optim, rl, rollouts, samplers, sharding
+from stabledrl_jax import build, cli, lora, models, optim, rl, rollouts, samplers, sharding
 
 cli.define_flags("configs/sdar.py:8b", "Training config file.")
 _TOPOLOGY = flags.DEFINE_string("topology", "v5p:2x2x1", "TPU topology (e.g. v5p:4x4x4, "
@@ -70,9 +72,11 @@ def model_config(c) -> models.ModelConfig:
   return nnx.eval_shape(lambda: build.model(c, build.tokenizer(c))).config
 
 
-def abstract_model(cfg: models.ModelConfig, mesh) -> nnx.Module:
-  """The model with `ShapeDtypeStruct` parameters carrying their shardings on `mesh`."""
-  model = nnx.eval_shape(lambda: models.create(cfg, 0))
+def abstract_model(cfg: models.ModelConfig, mesh, adapters: lora.LoraConfig | None = None) -> nnx.Module:
+  """The model (with `adapters`, the config's LoRA: `lora.from_config`) with `ShapeDtypeStruct`
+  parameters carrying their shardings on `mesh`."""
+  model = nnx.eval_shape(lambda: lora.apply(models.create(cfg, 0), adapters, strict=False)
+                         if adapters else models.create(cfg, 0))
   shardings = sharding.param_shardings(model, mesh)
   state = nnx.state(model, nnx.Param)
   abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -83,9 +87,10 @@ def abstract_model(cfg: models.ModelConfig, mesh) -> nnx.Module:
 
 
 def abstract_optimizer(model: nnx.Module, tx, mesh, offload: bool = False) -> nnx.Optimizer:
-  """The optimiser state, abstract: moments sharded like their parameters (in host memory with
-  `offload`, as `optim.offload` puts them), the rest replicated."""
-  opt = nnx.eval_shape(lambda: nnx.Optimizer(model, tx, wrt=nnx.Param))
+  """The optimiser state, abstract: moments (of the adapters alone with LoRA, `lora.trainable`)
+  sharded like their parameters (in host memory with `offload`, as `optim.offload` puts them),
+  the rest replicated."""
+  opt = nnx.eval_shape(lambda: nnx.Optimizer(model, tx, wrt=lora.trainable(model)))
   by_path = {}
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   for path, leaf in jax.tree_util.tree_leaves_with_path(params):
@@ -114,7 +119,8 @@ def _batched(shape, dtype, mesh):
 def rl_batch_shapes(c, cfg: models.ModelConfig, mesh) -> rl.RLBatch:
   """An abstract rollout batch of the config's sizes (prompt + completion layout of the family)."""
   b = c.rl.prompts_per_step * c.rl.group_size
-  p, g, m = c.task.max_prompt_len, c.sampler.gen_length, c.rl.num_samples
+  # M: rl.num_samples, or the trajectory scheme's forwards (`rl.Objective.from_config`).
+  p, g, m = c.task.max_prompt_len, c.sampler.gen_length, rl.Objective.from_config(c).num_samples
   seqs = jax.eval_shape(
       lambda pr, pv, co: rollouts.teacher_forced(pr, pv, co, family=cfg.family,
                                                  block_size=c.sampler.block_length,
@@ -155,7 +161,8 @@ def check(c, devices: list, hbm_gib: float | None = None,
   kind = devices[0].device_kind
   hbm = hbm_gib if hbm_gib is not None else next(
       (v for k, v in sorted(HBM_GIB.items(), key=lambda kv: -len(kv[0])) if kind.startswith(k)), None)
-  model = abstract_model(cfg, mesh)
+  adapters = lora.from_config(c)
+  model = abstract_model(cfg, mesh, adapters)
   obj = rl.Objective.from_config(c)
   tx = optim.make_optimizer(c.rl.lr, c.rl.warmup_steps, c.rl.steps * c.rl.updates_per_batch, c.optim)
   opt = abstract_optimizer(model, tx, mesh, offload=c.optim.offload_state)
@@ -174,7 +181,7 @@ def check(c, devices: list, hbm_gib: float | None = None,
   decode_mesh = build.rollout_mesh(c, mesh) or mesh  # config.rollout_mesh, if set
   if decode_mesh is not mesh:
     results["rollout_mesh"] = dict(decode_mesh.shape)
-    model = abstract_model(cfg, decode_mesh)
+    model = abstract_model(cfg, decode_mesh, adapters)
     key = jax.ShapeDtypeStruct((), key.dtype, sharding=jax.sharding.NamedSharding(
         decode_mesh, jax.sharding.PartitionSpec()))
   prompts = _batched((b, c.task.max_prompt_len), jnp.int32, decode_mesh)

@@ -13,8 +13,8 @@ import ml_collections
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from stabledrl_jax import (config_lib, controls, detectors, distributed, models, rl, rollouts,
-                           sft, sharding, tasks)
+from stabledrl_jax import (config_lib, controls, detectors, distributed, lora, models, rl,
+                           rollouts, sft, sharding, tasks)
 from stabledrl_jax.rollouts import DreamSampling, LLaDASampling, SDARSampling
 from stabledrl_jax.tasks import datasets, pipeline
 from stabledrl_jax.tasks.tokenizer import CharTokenizer, HFTokenizer
@@ -27,6 +27,7 @@ class Settings(NamedTuple):
   eval_sampling: LLaDASampling | SDARSampling | DreamSampling  # greedy; exact unless eval.fast
   monitor: detectors.MonitorConfig
   controls: controls.ControlConfig
+  lora: lora.LoraConfig | None  # the adapters (`lora.from_config`); None: full fine-tuning
 
 
 def settings(c: ml_collections.ConfigDict) -> Settings:
@@ -37,7 +38,7 @@ def settings(c: ml_collections.ConfigDict) -> Settings:
   rl_settings = rl.Settings.from_config(c)
   return Settings(sft.Settings.from_config(c), rl_settings, eval_sampling(c),
                   detectors.MonitorConfig.from_config(c.stability),
-                  controls.ControlConfig.from_config(c, rl_settings.objective))
+                  controls.ControlConfig.from_config(c, rl_settings.objective), lora.from_config(c))
 
 
 def eval_sampling(c: ml_collections.ConfigDict, temperature: float = 0.0):
@@ -87,7 +88,14 @@ def rollout_mesh(c: ml_collections.ConfigDict, mesh):
 
 
 def model(c: ml_collections.ConfigDict, tokenizer, mesh=None) -> nnx.Module:
-  """A random tiny model sized by the config, or a pretrained checkpoint, sharded on `mesh`."""
+  """A random tiny model sized by the config, or a pretrained checkpoint, sharded on `mesh`, with
+  the config's LoRA adapters (`adapt`)."""
+  return adapt(c, base_model(c, tokenizer, mesh))
+
+
+def base_model(c: ml_collections.ConfigDict, tokenizer, mesh=None) -> nnx.Module:
+  """A random tiny model sized by the config (seed `config.seed`), or a pretrained checkpoint,
+  sharded on `mesh`."""
   if c.model.checkpoint:
     model, _ = models.load_pretrained(c.model.checkpoint, dtype=c.model.compute_dtype,
                                       mesh=mesh if mesh is not None and mesh.size > 1 else None,
@@ -107,6 +115,33 @@ def model(c: ml_collections.ConfigDict, tokenizer, mesh=None) -> nnx.Module:
   if mesh is not None and mesh.size > 1:
     return sharding.create_model(cfg, c.seed, mesh)
   return models.create(cfg, seed=c.seed)
+
+
+def adapt(c: ml_collections.ConfigDict, model: nnx.Module) -> nnx.Module:
+  """`model` with the config's LoRA adapters (`lora.from_config`), in place: read from
+  `model.lora_init`, or fresh (A from `config.seed`, B = 0; target names that select no module
+  are skipped, as PEFT skips them, and said), each placed like its kernel; as it is for full
+  fine-tuning. The base is the same on every (re)start, so a checkpoint needs only the adapters."""
+  lc = lora.from_config(c)
+  if lc is None:
+    return model
+  try:
+    if c.model.lora_init:
+      lora.load_peft(model, c.model.lora_init)
+    else:
+      lora.apply(model, lc, seed=c.seed, strict=False)
+  except (lora.AdapterError, OSError) as e:
+    key, value = (("lora_init", c.model.lora_init) if c.model.lora_init else
+                  ("lora.targets", c.model.lora.targets))
+    raise ValueError(f"config.model.{key}={value!r}: {e}") from e
+  skipped = lora.unmatched(model.config, lc.targets)
+  if skipped:
+    distributed.log(f"LoRA: target names {', '.join(skipped)} select no module of {c.family}; "
+                    "skipped, as PEFT skips them")
+  distributed.log(f"LoRA: rank {lc.rank}, alpha {lc.alpha:g}, dropout {lc.dropout:g} on "
+                  f"{len(lora.adapters(model))} modules, {lora.num_params(model):,} trainable "
+                  "parameters")
+  return model
 
 
 @dataclasses.dataclass

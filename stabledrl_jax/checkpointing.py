@@ -1,5 +1,9 @@
 """Orbax checkpoints of a training run: model, optimiser, and a JSON record of everything else.
 
+The model's part is its trainable parameters (`lora.trainable`): every parameter, or with LoRA
+the adapters alone (the frozen base is rebuilt from `model.checkpoint` or the seed on resume, as
+`build.model` builds it); the optimiser's state then holds the adapters' moments alone too.
+
 Saves are asynchronous and atomic (Orbax writes a temporary directory and renames it when the
 save is complete), so a run killed at any moment leaves its last finished checkpoint intact. The
 JSON part holds the stage, the data-iterator states, the RNG seed and counters. Restoring reads
@@ -13,6 +17,13 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
+
+from stabledrl_jax import lora
+
+
+def _params(model: nnx.Module) -> nnx.State:
+  """What a checkpoint holds of `model`: its trainable parameters (`lora.trainable`)."""
+  return nnx.state(model, lora.trainable(model))
 
 
 def _abstract(tree):
@@ -42,7 +53,7 @@ class Checkpointer:
 
   def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer, meta: dict[str, Any]) -> None:
     self._manager.save(step, args=ocp.args.Composite(
-        model=ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(model, nnx.Param))),
+        model=ocp.args.StandardSave(nnx.to_pure_dict(_params(model))),
         optimizer=ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(optimizer))),
         meta=ocp.args.JsonSave(meta)))
 
@@ -51,7 +62,7 @@ class Checkpointer:
 
   def restore(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer) -> dict[str, Any]:
     """Load step `step` into `model` and `optimizer` in place; returns the JSON record."""
-    model_state = nnx.state(model, nnx.Param)
+    model_state = _params(model)
     opt_state = nnx.state(optimizer)
     out = self._manager.restore(step, args=ocp.args.Composite(
         model=ocp.args.StandardRestore(_abstract(nnx.to_pure_dict(model_state))),
@@ -65,7 +76,7 @@ class Checkpointer:
 
   def restore_model(self, step: int, model: nnx.Module) -> dict[str, Any]:
     """Load only the model parameters of step `step` (no optimiser needed); returns the record."""
-    state = nnx.state(model, nnx.Param)
+    state = _params(model)
     out = self._manager.restore(step, args=ocp.args.Composite(
         model=ocp.args.StandardRestore(_abstract(nnx.to_pure_dict(state))),
         meta=ocp.args.JsonRestore()))
@@ -81,15 +92,15 @@ class Checkpointer:
 
 
 def save_params(path: str, model: nnx.Module) -> None:
-  """A one-off, atomic save of a model's parameters (e.g. the frozen KL reference), replacing
-  whatever `path` held."""
+  """A one-off, atomic save of a model's trainable parameters (e.g. the frozen KL reference),
+  replacing whatever `path` held."""
   with ocp.StandardCheckpointer() as saver:
-    saver.save(os.path.abspath(path), nnx.to_pure_dict(nnx.state(model, nnx.Param)), force=True)
+    saver.save(os.path.abspath(path), nnx.to_pure_dict(_params(model)), force=True)
 
 
 def restore_params(path: str, model: nnx.Module) -> None:
   """Load parameters written by `save_params` into `model` in place, in its shardings."""
-  state = nnx.state(model, nnx.Param)
+  state = _params(model)
   with ocp.StandardCheckpointer() as loader:
     loaded = loader.restore(os.path.abspath(path), _abstract(nnx.to_pure_dict(state)))
   nnx.replace_by_pure_dict(state, loaded)

@@ -7,8 +7,9 @@ override of a key that does not exist fails in `config_flags` and names the key.
 consumes a section owns a typed, frozen settings class built from it (`from_config`) that checks
 its values with one-line errors naming the key: `rl.Settings` / `rl.Objective` (`rl`),
 `rollouts.LLaDASampling` / `SDARSampling` / `DreamSampling` (`sampler`), `sft.Settings` (`sft`),
-`detectors.MonitorConfig` (`stability`), `controls.ControlConfig` (`controls`); `build.settings`
-builds them all before anything is compiled or written. This module imports none of them.
+`detectors.MonitorConfig` (`stability`), `controls.ControlConfig` (`controls`), `lora.from_config`
+(`model.lora`, `model.lora_init`); `build.settings` builds them all before anything is compiled or
+written. This module imports none of them.
 """
 from __future__ import annotations
 
@@ -74,6 +75,19 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.model.remat_policy = "nothing"  # with remat: "nothing" | "dots" | "dots_no_batch" saved
   c.model.attention_impl = "dense"  # "blockwise": key tiles, no [heads, T, S] scores
   c.model.attention_tile = 512      # key positions per blockwise tile
+  # LoRA (`lora.from_config`): rank 0 = full fine-tuning; > 0 trains only adapters of this rank on
+  # a frozen base (checkpoints hold the adapters alone; the export adds them alone in PEFT format).
+  c.model.lora = ml_collections.ConfigDict()
+  c.model.lora.rank = 0
+  c.model.lora.alpha = 16.0     # the update is scaled by alpha / rank
+  c.model.lora.dropout = 0.0    # on the adapters' input, in the updates only
+  # "" = the family's attention and MLP projections without the head (`lora.DEFAULT_TARGETS`);
+  # else comma-separated PEFT target names, matched as PEFT matches them (a module of that name
+  # or ending in ".name"; names that select nothing are skipped, one must select), or all-linear.
+  c.model.lora.targets = ""
+  # A PEFT adapter directory to start from (its adapter_config.json gives rank, alpha, dropout and
+  # targets; with model.lora.rank > 0 they must agree); "" = fresh adapters (B = 0).
+  c.model.lora_init = ""
 
   c.task = ml_collections.ConfigDict()
   c.task.name = "sorting"        # a built-in task, "jsonl", or a Task's import path pkg.mod:NAME
@@ -114,7 +128,11 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.rl.accumulation = 1         # micro-batches per optimiser step (each a whole number of groups)
   c.rl.lr = 3e-5                # about the longest safe step bench/rl_step_probe.py measured (README)
   c.rl.warmup_steps = 20        # optimiser updates (README: What RL does in the main job)
+  # estimators.SCHEMES, or "trajectory": TraceRL's likelihood of the steps the sampler took
+  # (estimators.trajectory_masks); it runs ceil(sampler.steps / rl.trajectory_shrink) forwards
+  # (SDAR: per block, all blocks in each) and ignores num_samples, coupling, p_mask_prompt
   c.rl.scheme = "block_t" if family == "sdar" else "block_random"
+  c.rl.trajectory_shrink = 1    # trajectory: s decoding steps merged into one forward (TraceRL's s)
   c.rl.num_samples = 2          # M Monte Carlo masks per completion
   c.rl.coupling = "coupled"     # or "independent" (the official code)
   c.rl.p_mask_prompt = 0.0 if family == "sdar" else 0.15
@@ -156,6 +174,9 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.sampler.block_length = 4
   c.sampler.temperature = 0.7   # rollouts; evaluation is greedy
   c.sampler.remasking = "low_confidence"   # LLaDA: low_confidence | random
+  # LLaDA, SDAR: "confidence" (the remasking / strategy rule) or "left_to_right" (one token a step
+  # in position order; needs steps = gen_length for LLaDA, = block_length for SDAR)
+  c.sampler.order = "confidence"
   c.sampler.strategy = "low_confidence_static"  # SDAR: or low_confidence_dynamic (threshold)
   # Fast decoding, for rollouts (evaluation decodes exactly unless eval.fast). LLaDA: block-wise
   # KV reuse none | prefix | dual; threshold: commit every masked token at least this confident

@@ -77,6 +77,21 @@ def select_top_k(confidence_BxL: Array, eligible_BxL: Array, k_B: Array) -> Arra
   return eligible_BxL & (rank < k_B[:, None])
 
 
+# `sampler.order`: which masked tokens a LLaDA or SDAR step commits. confidence: the sampler's
+# own rule (remasking, strategy); left_to_right: the leftmost ones, one a step (the
+# autoregressive order: the trajectory likelihood is then the chain rule).
+ORDERS = ("confidence", "left_to_right")
+
+
+def order_scores(confidence_BxK: Array, order: str) -> Array:
+  """The scores the commit rule ranks by: the confidence, or for `left_to_right` minus each
+  slot's index (the leftmost masked slots rank first)."""
+  if order == "left_to_right":
+    slots_K = jnp.arange(confidence_BxK.shape[-1], dtype=jnp.float32)
+    return jnp.broadcast_to(-slots_K, confidence_BxK.shape)
+  return confidence_BxK
+
+
 def min_commits(num_masked_B: Array, steps_left) -> Array:
   """⌈m / r⌉: the fewest commits per step that still finish `m` masked tokens in `r` steps.
 

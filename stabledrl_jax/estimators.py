@@ -30,6 +30,10 @@ Schemes (docs/method.md §1):
                 visible (level 1-p); weight 1/(level·n) on masked counted tokens, so every
                 counted token is scored exactly once per pair (coupled-GRPO of DiffuCoder;
                 E = log p(x)/n as random_t). `complementary_pairs` says why these weights.
+
+Not a mask draw: `trajectory` (TraceRL's trajectory likelihood, `trajectory_masks`) scores a
+rollout by the decoding steps its sampler took. Its masks are a deterministic function of the
+recorded commit steps, so it has no key, no `num_samples` of its own and is not in `SCHEMES`.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ Scheme = Literal["random_t", "stratified_l", "block_random", "mean_field", "bloc
                  "complementary"]
 SCHEMES: tuple[str, ...] = ("random_t", "stratified_l", "block_random", "mean_field", "block_t",
                             "complementary")
+TRAJECTORY = "trajectory"  # `trajectory_masks`: the rollout's own decoding trajectory
 
 
 class MaskSample(NamedTuple):
@@ -178,6 +183,56 @@ def sample_masks(
     hit = noised & cnt
     weight = jnp.where(hit, 1.0 / jnp.maximum(jnp.sum(hit, -1, keepdims=True), 1), 0.0)
   return MaskSample(noised, weight.astype(jnp.float32))
+
+
+def trajectory_masks(commit_step_BxL: Array, completion_BxL: Array,
+                     counted_BxL: Array | None = None, *, num_forwards: int, shrink: int = 1,
+                     block_BxL: Array | None = None) -> MaskSample:
+  """TraceRL's (shrunk) trajectory likelihood as `num_forwards = J` masked copies `[B, J, L]`.
+
+  `commit_step_BxL` is the decoding step at which the sampler committed each slot (`Rollout`;
+  < 0: never committed, so masked in every copy and scored in none). Copy `j` masks every
+  completion position committed at step `>= j·s` (`s = shrink`): the state the sampler saw at
+  step `j·s`, up to the `s - 1` later steps it merges. It scores (weight `J`, so that
+  `losses.mc_elbo`'s mean over the copies is a sum) the counted positions committed at steps in
+  `[j·s, (j+1)·s)`: each counted token exactly once, in the copy that predicts it from the state
+  it was decoded in. The estimate is `Σ_j Σ_{i committed in group j} log p(x_i | x_{state j})`,
+  deterministic given the trajectory; with one token a step in position order and `s = 1` it is
+  the chain rule `Σ_i log p(x_i | x_{<i}, masks after i)`. Post-stop positions (completion,
+  not counted) keep their recorded steps: visible (as the pad the rollout holds there) after
+  them, masked before, as the sampler saw that slot.
+
+  `block_BxL` (SDAR's staircase; None: full attention) gives each position's block: steps then
+  count from the block's first committed step, so copy `j` holds every block at its own `j·s`-th
+  step, each conditioned on its clean prefix by the staircase (a block is decoded after its
+  prefix is done). The steps must then stay below `J·s` within a block (`J = ceil(steps / s)`,
+  the sampler's per-block steps); without blocks, below `J·s` overall (LLaDA's, Dream's total
+  steps). Positions at later steps are masked in every copy and scored in none.
+  """
+  if num_forwards < 1:
+    raise ValueError(f"num_forwards must be >= 1, got {num_forwards}")
+  if shrink < 1:
+    raise ValueError(f"shrink must be >= 1, got {shrink}")
+  completion = completion_BxL.astype(bool)
+  counted = completion if counted_BxL is None else counted_BxL.astype(bool) & completion
+  never = jnp.iinfo(jnp.int32).max
+  committed_BxL = completion & (commit_step_BxL >= 0)
+  step_BxL = jnp.where(committed_BxL, commit_step_BxL, never).astype(jnp.int32)
+  if block_BxL is not None:
+    step_BxL = jnp.where(committed_BxL, step_BxL - _block_min(step_BxL, block_BxL), never)
+  lo_1xJx1 = (jnp.arange(num_forwards, dtype=jnp.int32) * shrink)[None, :, None]
+  step_Bx1xL = step_BxL[:, None, :]
+  noised = completion[:, None, :] & (step_Bx1xL >= lo_1xJx1)
+  scored = counted[:, None, :] & (step_Bx1xL >= lo_1xJx1) & (step_Bx1xL < lo_1xJx1 + shrink)
+  return MaskSample(noised, jnp.where(scored, float(num_forwards), 0.0).astype(jnp.float32))
+
+
+def _block_min(x_BxL: Array, block_BxL: Array) -> Array:
+  """Each position's minimum of `x` over the positions of its block (same row), `[B, L]`."""
+  l = x_BxL.shape[1]
+  ids_BxL = jnp.clip(block_BxL, 0, l - 1).astype(jnp.int32)
+  per_block = jax.vmap(lambda x, i: jax.ops.segment_min(x, i, num_segments=l))(x_BxL, ids_BxL)
+  return jnp.take_along_axis(per_block, ids_BxL, axis=1)
 
 
 def complementary_pairs(key: Array, completion_BxL: Array, *, num_pairs: int,

@@ -26,6 +26,19 @@ def sample(key: Array, seqs: Sequences, *, scheme: str, num_samples: int, p_mask
                                  p_mask_prompt=p_mask_prompt, block_size=block_size, **options)
 
 
+def trajectory(seqs: Sequences, *, num_forwards: int, shrink: int,
+               block_size: int | None = None) -> estimators.MaskSample:
+  """`estimators.trajectory_masks` for this batch's recorded commit steps (`Sequences` of
+  `from_rollout`). `block_size` (SDAR's staircase; None: full attention) counts steps per block
+  of `positions // block_size`, the blocks the staircase attends by."""
+  if seqs.commit_step_BxL is None:
+    raise ValueError("the trajectory likelihood needs the rollouts' commit steps "
+                     "(rollouts.from_rollout); these sequences have none")
+  block_BxL = None if block_size is None else seqs.positions_BxL // block_size
+  return estimators.trajectory_masks(seqs.commit_step_BxL, seqs.completion_BxL, seqs.counted_BxL,
+                                     num_forwards=num_forwards, shrink=shrink, block_BxL=block_BxL)
+
+
 def masked_hidden(model, seqs: Sequences, noised_BxMxL: Array, *, staircase: bool,
                   block_size: int | None = None) -> Array:
   """Final-normed hidden states for every position of every masked copy, `[B*M, L, D]`."""

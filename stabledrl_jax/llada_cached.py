@@ -109,7 +109,8 @@ def _generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: LLaDASampling)
       k_B = schedule_BxS[:, i]
     else:
       k_B = decoding.min_commits(jnp.sum(still_masked, -1), spb - i)
-    commit = decoding.confident_commit(conf_BxK, still_masked, k_B, sampling.threshold)
+    commit = decoding.confident_commit(decoding.order_scores(conf_BxK, sampling.order),
+                                       still_masked, k_B, sampling.threshold)
     block_BxK = jnp.where(commit, x0_BxK, block_BxK)
     when_BxK = jnp.where(commit, s, _slice(when_BxL, start, bl))
     return (jax.lax.dynamic_update_slice_in_dim(x_BxL, block_BxK, start, axis=1),

@@ -24,11 +24,17 @@ PEFT's adapter directory: `adapter_config.json` (`peft_type` "LORA", `r`, `lora_
 holding `base_model.model.<module>.lora_A.weight` [r, D_in] and `....lora_B.weight` [D_out, r]
 (torch's [out, in] layout: our A and B transposed). `load_peft` applies every tensor the file
 holds; one it cannot place is an error naming it.
+
+In a training run (`from_config`: `config.model.lora`, `config.model.lora_init`) `build.model`
+attaches the adapters, the optimiser and the updates train only them (`trainable`), the
+checkpoints hold only them (the base is rebuilt from `model.checkpoint` or the seed), and the
+export writes the merged model and the adapters alone (`export.export`).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 
@@ -64,6 +70,19 @@ _PEFT_WRITTEN = {"bias": "none", "fan_in_fan_out": False, "inference_mode": True
                  "init_lora_weights": True, "layers_pattern": None, "layers_to_transform": None,
                  "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {},
                  "revision": None, "use_dora": False, "use_rslora": False}
+
+
+# `config.model.lora.targets=""`: the family's attention and MLP projections in every block, not
+# the head. LLaDA's blocks' MLP output `ff_out` shares its name with the head
+# (`model.transformer.ff_out`), so LLaDA's is a regular expression over the blocks' modules.
+DEFAULT_TARGETS = {
+    "llada": r"model\.transformer\.blocks\.\d+\.(q_proj|k_proj|v_proj|attn_out|ff_proj|up_proj|ff_out)",
+    "sdar": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "dream": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+}
+# The adapters' dropout masks in an update come from `fold_in(step key, DROPOUT_STREAM)`: a stream
+# of their own, apart from the masking draws of the same key.
+DROPOUT_STREAM = 0x1D0
 
 
 class AdapterError(ValueError):
@@ -149,6 +168,15 @@ def matches(name: str, targets: tuple[str, ...] | str) -> bool:
   return any(name == t or name.endswith("." + t) for t in targets)
 
 
+def unmatched(cfg: ModelConfig, targets: tuple[str, ...] | str) -> list[str]:
+  """The names of a target list that select no module of `cfg`'s family (PEFT skips them; none
+  for a regular expression or "all-linear")."""
+  if isinstance(targets, str):
+    return []
+  modules = linear_modules(cfg)
+  return [t for t in targets if not any(matches(name, (t,)) for name in modules)]
+
+
 def select(cfg: ModelConfig, targets: tuple[str, ...] | str, *,
            strict: bool = True) -> dict[str, tuple]:
   """The targeted linear layers {module name: model path}. `strict`: every name of a list must
@@ -158,8 +186,7 @@ def select(cfg: ModelConfig, targets: tuple[str, ...] | str, *,
     head = head_module(cfg)
     return {name: path for name, path in modules.items() if name != head}
   chosen = {name: path for name, path in modules.items() if matches(name, targets)}
-  unused = [] if isinstance(targets, str) else [
-      t for t in targets if not any(matches(name, (t,)) for name in modules)]
+  unused = unmatched(cfg, targets)
   if not chosen or (strict and unused):
     bad = targets if not chosen else unused[0]
     names = sorted({name.rsplit(".", 1)[-1] for name in modules})
@@ -219,6 +246,14 @@ def trainable(model):
   """The filter of the parameters an optimiser trains: the adapters' when there are any, else
   every parameter (full fine-tuning)."""
   return ADAPTER if adapters(model) else nnx.Param
+
+
+def with_adapters(model, adapter_state: nnx.State):
+  """A module of `model`'s graph and its frozen base with `adapter_state` (an
+  `nnx.state(..., ADAPTER)` of the same adapters) in place of its own adapters; it shares the
+  base's buffers (e.g. the KL reference inside `jit`: no second copy of the base)."""
+  graphdef, _, rest = nnx.split(model, ADAPTER, ...)
+  return nnx.merge(graphdef, adapter_state, rest)
 
 
 def num_params(model) -> int:
@@ -284,9 +319,92 @@ def config_of(model) -> LoraConfig:
                        "file has one of each")
   rank, alpha, dropout = shapes.pop()
   suffixes = tuple(sorted({name.rsplit(".", 1)[-1] for name in found}))
-  exact = set(select(model.config, suffixes)) == set(found)
-  targets = suffixes if exact else "|".join(re.escape(name) for name in found)
+  layers = _layer_pattern(list(found))
+  if set(select(model.config, suffixes)) == set(found):
+    targets = suffixes
+  elif layers and set(select(model.config, layers)) == set(found):
+    targets = layers
+  else:
+    targets = "|".join(re.escape(name) for name in found)
   return LoraConfig(rank=rank, alpha=alpha, dropout=dropout, targets=targets)
+
+
+def _layer_pattern(names: list[str]) -> str:
+  r"""One regular expression for module names `<prefix><layer>.<rest>` that share the prefix, any
+  layer and each rest, e.g. `model\.transformer\.blocks\.\d+\.(ff_out|q_proj)`; "" when the
+  names do not have that form."""
+  parts = [re.fullmatch(r"(.*?\.)(\d+)\.(.+)", name) for name in names]
+  if not all(parts) or len({p.group(1) for p in parts}) != 1:
+    return ""
+  rests = sorted({p.group(3) for p in parts})
+  return re.escape(parts[0].group(1)) + r"\d+\.(" + "|".join(map(re.escape, rests)) + ")"
+
+
+# ----------------------------------------------------------------------------- the run's config
+
+
+def _bad(key: str, value, why: str) -> ValueError:
+  return ValueError(f"config.model.{key}={value!r}: {why}")
+
+
+def targets_from_config(family: str, text: str) -> tuple[str, ...] | str:
+  """`config.model.lora.targets` as `LoraConfig.targets`: "" the family's `DEFAULT_TARGETS`,
+  "all-linear" as it is, else its comma-separated PEFT names (matched as PEFT matches them)."""
+  if not text:
+    return DEFAULT_TARGETS[family]
+  if text.strip().lower() == ALL_LINEAR:
+    return ALL_LINEAR
+  names = tuple(t.strip() for t in text.split(","))
+  bad = next((t for t in names if not re.fullmatch(r"[\w.]+", t)), None)
+  if bad is not None:
+    raise _bad("lora.targets", text, f"{bad!r} is not a module name; expected comma-separated "
+               "PEFT target names (e.g. q_proj,v_proj), all-linear, or \"\" (the family's)")
+  return names
+
+
+def _disagrees(key: str, value, init: str, peft_key: str, theirs) -> ValueError:
+  return ValueError(f"config.model.{key}={value!r} disagrees with config.model.lora_init={init!r} "
+                    f"({peft_key}={theirs!r} in its {CONFIG_FILE}): set config.model.lora.rank=0 "
+                    "to take the adapter's settings")
+
+
+def _same_targets(a: tuple[str, ...] | str, b: tuple[str, ...] | str) -> bool:
+  return (a == b) if isinstance(a, str) or isinstance(b, str) else set(a) == set(b)
+
+
+def from_config(c) -> LoraConfig | None:
+  """The run's adapters from `config.model.lora` and `config.model.lora_init`, or None for full
+  fine-tuning (rank 0 and no lora_init). With `lora_init` (a PEFT adapter directory) its
+  adapter_config.json gives them; `model.lora.rank` > 0 then asserts them: rank, alpha, dropout
+  and (unless "") targets must be the adapter's. The first bad key raises `ValueError` naming it."""
+  cl, init = c.model.lora, c.model.lora_init
+  if not isinstance(cl.rank, int) or cl.rank < 0:
+    raise _bad("lora.rank", cl.rank, "must be >= 0 (0: full fine-tuning)")
+  if not isinstance(cl.alpha, (int, float)) or not (cl.alpha > 0 and math.isfinite(cl.alpha)):
+    raise _bad("lora.alpha", cl.alpha, "must be a finite number > 0")
+  if not isinstance(cl.dropout, (int, float)) or not 0 <= cl.dropout < 1:
+    raise _bad("lora.dropout", cl.dropout, "must lie in [0, 1)")
+  targets = targets_from_config(c.family, cl.targets)
+  ours = LoraConfig(cl.rank, float(cl.alpha), float(cl.dropout), targets) if cl.rank else None
+  if not init:
+    return ours
+  if not os.path.isdir(init):
+    raise _bad("lora_init", init, "no such directory (expected a PEFT adapter: "
+               f"{CONFIG_FILE}, {WEIGHTS_FILE})")
+  if not os.path.exists(os.path.join(init, WEIGHTS_FILE)):
+    raise _bad("lora_init", init, f"missing {os.path.join(init, WEIGHTS_FILE)}")
+  try:
+    theirs = config_from_peft(read_peft_config(init))
+  except (AdapterError, OSError, ValueError, KeyError, TypeError) as e:
+    raise _bad("lora_init", init, str(e).strip("'\"")) from e
+  if ours is None:
+    return theirs
+  for key, peft_key in (("rank", "r"), ("alpha", "lora_alpha"), ("dropout", "lora_dropout")):
+    if getattr(ours, key) != getattr(theirs, key):
+      raise _disagrees(f"lora.{key}", getattr(ours, key), init, peft_key, getattr(theirs, key))
+  if cl.targets and not _same_targets(ours.targets, theirs.targets):
+    raise _disagrees("lora.targets", cl.targets, init, "target_modules", theirs.targets)
+  return theirs
 
 
 # ----------------------------------------------------------------------------- PEFT files

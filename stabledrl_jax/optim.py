@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from stabledrl_jax import sharding
+from stabledrl_jax import lora, sharding
 
 
 class _ScaledState(NamedTuple):
@@ -85,12 +85,14 @@ def stored_as(inner: optax.GradientTransformation, dtype) -> optax.GradientTrans
 
 
 def stage_optimizer(model, c, stage: str) -> nnx.Optimizer:
-  """A fresh optimiser for `stage` ("sft" or "rl") of the run configured by `c`."""
+  """A fresh optimiser for `stage` ("sft" or "rl") of the run configured by `c`, over the model's
+  trainable parameters (`lora.trainable`: its adapters alone when it has any, so the moments are
+  the adapters' size)."""
   if stage == "sft":
     tx = make_optimizer(c.sft.lr, c.sft.warmup_steps, c.sft.steps, c.optim)
   else:
     tx = make_optimizer(c.rl.lr, c.rl.warmup_steps, c.rl.steps * c.rl.updates_per_batch, c.optim)
-  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  optimizer = nnx.Optimizer(model, tx, wrt=lora.trainable(model))
   sharding.replicate_rest(optimizer, sharding.model_mesh(model))
   if c.optim.get("offload_state", False):
     offload(optimizer)

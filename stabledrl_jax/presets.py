@@ -1,24 +1,25 @@
-"""The config presets (`configs/NAME.py:PRESET`): `tiny`, `smoke`, `sudoku`, `8b`, `8b_official`
-(LLaDA, SDAR) and `7b` (Dream), as edits of `config_lib.base_config`'s dict, every one of them here and nowhere else
-(`config_lib.apply_preset` is this module's `apply_preset`).
+"""The config presets (`configs/NAME.py:PRESET`): `tiny`, `smoke`, `sudoku`, `8b`, `8b_official`,
+`8b_lora` (LLaDA, SDAR) and `7b` (Dream), as edits of `config_lib.base_config`'s dict, every one of
+them here and nowhere else (`config_lib.apply_preset` is this module's `apply_preset`).
 """
 from __future__ import annotations
 
 import ml_collections
 
 
-PRESETS = ("tiny", "smoke", "sudoku", "8b", "8b_official", "7b")
+PRESETS = ("tiny", "smoke", "sudoku", "8b", "8b_official", "8b_lora", "7b")
+CHECKPOINT_PRESETS = ("8b", "8b_official", "8b_lora", "7b")  # a pretrained checkpoint's settings
 
 
 def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
   """`tiny` is the default (clean SFT, then RL, on sorting digits); `smoke` the same path in
   minutes (on Sudoku); `sudoku` the earlier main job (4x4 Sudoku from a demonstrator that leaves
   half the blanks empty); `8b` the published settings; `8b_official` the official StableDRL code's
-  GSM8K run (`official_gsm8k`); `7b` Dream-v0-Instruct-7B with the published Dream RL settings
-  (`dream_7b`)."""
+  GSM8K run (`official_gsm8k`); `8b_lora` the `8b` run training LoRA adapters with d1's settings
+  (`d1_lora`); `7b` Dream-v0-Instruct-7B with the published Dream RL settings (`dream_7b`)."""
   if preset not in PRESETS:
     raise ValueError(f"unknown config preset {preset!r}: expected one of {PRESETS}")
-  if (preset == "7b") != (c.family == "dream") and preset in ("7b", "8b", "8b_official"):
+  if (preset == "7b") != (c.family == "dream") and preset in CHECKPOINT_PRESETS:
     want = "7b" if c.family == "dream" else "8b"
     raise ValueError(f"config preset {preset!r} with family={c.family!r}: the {c.family} "
                      f"checkpoint preset is {want!r}")
@@ -38,7 +39,7 @@ def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
     c.sampler.steps = 2 if c.family == "sdar" else 5  # SDAR: per block; LLaDA, Dream: total
     c.eval.num_examples, c.eval.every = 32, 4
     c.checkpoint.every = 4
-  if preset in ("8b", "8b_official", "7b"):
+  if preset in CHECKPOINT_PRESETS:
     # docs/method.md §6: the official StableDRL settings (GSM8K), fp32 master weights, bf16 compute.
     c.model.checkpoint = "/path/to/checkpoint"  # must be overridden
     c.mesh.data, c.mesh.fsdp = 1, -1  # FSDP over every chip
@@ -66,13 +67,29 @@ def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
       # Rollouts: gen 256, block 32, 128 steps (docs/method.md §6), with the block-wise KV cache
       # (README: Fast LLaDA rollouts; 8b_official decodes exactly, as the official code).
       c.sampler.block_length, c.sampler.steps = 32, 128
-      c.sampler.cache = "dual" if preset == "8b" else "none"
+      c.sampler.cache = "none" if preset == "8b_official" else "dual"
     else:
       c.model.preset = "sdar_8b"
       c.sampler.block_length, c.sampler.steps = 4, 4  # denoising steps per block of 4
       c.rl.accumulation = 8  # the same update in 8 micro-batches: fits 4 v5p chips (BUILD.md)
   if preset == "8b_official":
     official_gsm8k(c)
+  if preset == "8b_lora":
+    d1_lora(c)
+
+
+def d1_lora(c: ml_collections.ConfigDict) -> None:
+  """d1's LoRA (dllm-reasoning/d1, diffu-GRPO on LLaDA-8B-Instruct: its peft LoraConfig and
+  train.yaml) on top of the `8b` preset: r=128, lora_alpha=64, lora_dropout=0.05, the Qwen/LLaMA
+  target_modules below, and its learning rate 3e-6; everything else is the `8b` preset's (d1's
+  QLoRA 4-bit base is not built here: the base stays in the `8b` preset's dtypes).
+
+  PEFT's matching is kept: a name that selects no module is skipped, one must select. On LLaDA's
+  own module names (attn_out, ff_proj, ff_out) only q_proj, k_proj, v_proj and up_proj exist, so
+  PEFT, d1 and this preset adapt just those four; on SDAR's Qwen-style names all seven."""
+  c.model.lora.rank, c.model.lora.alpha, c.model.lora.dropout = 128, 64.0, 0.05
+  c.model.lora.targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+  c.rl.lr = 3e-6
 
 
 def official_gsm8k(c: ml_collections.ConfigDict) -> None:

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from stabledrl_jax import (diagnostics, estimators, flops, likelihood, losses, metrics, optim,
-                           rollouts, samplers, sharding)
+from stabledrl_jax import (diagnostics, estimators, flops, likelihood, losses, lora, metrics,
+                           optim, rollouts, samplers, sharding)
 from stabledrl_jax.rollouts import DreamSampling, LLaDASampling, Rollout, SDARSampling, Sequences
 from stabledrl_jax.tasks import pipeline
 
@@ -53,8 +53,8 @@ class Objective:
   config's). Hashable: part of the compiled step's signature."""
   name: str                 # `OBJECTIVES`
   group_size: int           # G
-  scheme: str               # estimators.SCHEMES
-  num_samples: int          # M
+  scheme: str               # estimators.SCHEMES or estimators.TRAJECTORY
+  num_samples: int          # M (trajectory: its forwards J = ceil(sampler.steps / trajectory_shrink))
   p_mask_prompt: float
   min_mask_prob: float      # ε: masking levels from [ε, 1] ([ε, 1 - ε] for complementary pairs)
   block_size: int           # sampler.block_length: the family's block
@@ -67,11 +67,19 @@ class Objective:
   spg_omega: float
   spg_beta: float
   adversarial: float        # > 0: docs/method.md §8's ratio explosion on this fraction of the rollouts
+  trajectory_shrink: int    # trajectory: decoding steps per forward (TraceRL's s)
 
   def __post_init__(self):
     _check(self.name in OBJECTIVES, "objective", self.name, f"expected one of {tuple(OBJECTIVES)}")
-    _check(self.scheme in estimators.SCHEMES, "scheme", self.scheme,
-           f"expected one of {estimators.SCHEMES}")
+    _check(self.scheme in (*estimators.SCHEMES, estimators.TRAJECTORY), "scheme", self.scheme,
+           f"expected one of {(*estimators.SCHEMES, estimators.TRAJECTORY)}")
+    _check(self.trajectory_shrink >= 1, "trajectory_shrink", self.trajectory_shrink, "must be >= 1")
+    if self.scheme == estimators.TRAJECTORY:
+      _check(self.spec.surrogate == "elbo", "objective", self.name,
+             "SPG's upper bound needs random masks; rl.scheme=trajectory has none (use stabledrl, "
+             "grpo, espo or wd1)")
+      _check(not self.adversarial, "adversarial", self.adversarial,
+             "the adversarial mode swaps random masks; rl.scheme=trajectory has none (set 0)")
     _check(self.coupling in ("coupled", "independent"), "coupling", self.coupling,
            "expected 'coupled' or 'independent'")
     _check(self.group_size >= 1, "group_size", self.group_size, "must be >= 1")
@@ -105,13 +113,19 @@ class Objective:
       key = "epsilon" if r.epsilon < 0 else "max_ratio"
       raise ValueError(f"config.rl.{key}={r[key]!r}: must be >= 0")
     ppo = OBJECTIVES[r.objective].clip == "ppo"
+    # The trajectory's masks are the rollout's: one forward per s steps (SDAR: per block), never
+    # the prompt, the same for the old and the new policy; the mask keys do not apply to it.
+    trajectory = r.scheme == estimators.TRAJECTORY
+    forwards = -(-c.sampler.steps // max(r.trajectory_shrink, 1))
     return cls(name=r.objective, group_size=r.group_size, scheme=r.scheme,
-               num_samples=r.num_samples, p_mask_prompt=r.p_mask_prompt,
+               num_samples=forwards if trajectory else r.num_samples,
+               p_mask_prompt=0.0 if trajectory else r.p_mask_prompt,
                min_mask_prob=r.min_mask_prob, block_size=c.sampler.block_length, staircase=c.family == "sdar",
-               coupling=r.coupling, epsilon=r.ppo_epsilon if ppo else r.epsilon,
+               coupling="coupled" if trajectory else r.coupling,
+               epsilon=r.ppo_epsilon if ppo else r.epsilon,
                max_ratio=r.max_ratio or None, epsilon_high=r.epsilon_high or None,
                kl_coef=r.kl_coef, spg_omega=r.spg_omega, spg_beta=r.spg_beta,
-               adversarial=r.adversarial)
+               adversarial=r.adversarial, trajectory_shrink=r.trajectory_shrink)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,12 +208,15 @@ def behaviour_logp(model, seqs: Sequences, key: Array, obj: Objective):
     adversarial = Adversarial(rows_B, easy.noised_BxMxL, easy.weight_BxMxL)
   lp, ent = likelihood.masked_logp(model, seqs, masks.noised_BxMxL, staircase=obj.staircase,
                                    block_size=obj.block_size, with_entropy=True)
-  seen = masks.noised_BxMxL & seqs.counted_BxL[:, None, :]
+  seen = masks.weight_BxMxL != 0  # the masked counted positions (trajectory: each token once)
   entropy = jnp.sum(jnp.where(seen, ent, 0.0)) / jnp.maximum(jnp.sum(seen), 1)
   return masks, jax.lax.stop_gradient(lp), adversarial, jax.lax.stop_gradient(entropy)
 
 
 def _draw_masks(key: Array, seqs: Sequences, obj: Objective) -> estimators.MaskSample:
+  if obj.scheme == estimators.TRAJECTORY:  # no draw: the rollout's own steps
+    return likelihood.trajectory(seqs, num_forwards=obj.num_samples, shrink=obj.trajectory_shrink,
+                                 block_size=obj.block_size if obj.staircase else None)
   return likelihood.sample(key, seqs, scheme=obj.scheme, num_samples=obj.num_samples,
                            p_mask_prompt=obj.p_mask_prompt, block_size=obj.block_size,
                            min_mask_prob=obj.min_mask_prob)
@@ -275,9 +292,12 @@ def _stabledrl(x: Scored, obj: Objective, eps):
 
 def _grpo(x: Scored, obj: Objective, eps):
   b = x.batch
-  lp_new, seen = _per_token(x.logp_BxMxL, x.noised_BxMxL)
-  lp_old, _ = _per_token(b.logp_old_BxMxL, b.noised_old_BxMxL)
-  lp_ref, _ = _per_token(b.logp_ref_BxMxL, b.noised_old_BxMxL)
+  new_at, old_at = x.noised_BxMxL, b.noised_old_BxMxL
+  if obj.scheme == estimators.TRAJECTORY:  # a token counts in the one forward that committed it
+    new_at = old_at = b.weight_old_BxMxL != 0
+  lp_new, seen = _per_token(x.logp_BxMxL, new_at)
+  lp_old, _ = _per_token(b.logp_old_BxMxL, old_at)
+  lp_ref, _ = _per_token(b.logp_ref_BxMxL, old_at)
   return losses.grpo_clip_loss(lp_new - lp_old, b.advantages_B, epsilon=eps,
                                mask=b.seqs.counted_BxL & seen, epsilon_high=obj.epsilon_high,
                                ref_log_ratio=lp_ref - lp_new, kl_coef=obj.kl_coef)
@@ -321,7 +341,10 @@ OBJECTIVES.update(
 @nnx.jit(static_argnames=("obj",))
 def behaviour_pass(model, ref_model, seqs, advantages_B, key, obj: Objective):
   """The behaviour policy's masks and log-probs (and the reference's, with a KL term) for a
-  rollout batch: `(RLBatch, token_entropy)`."""
+  rollout batch: `(RLBatch, token_entropy)`. `ref_model`: a model, or (LoRA) the reference's
+  adapters alone as an `nnx.State`, put on the policy's frozen base (`lora.with_adapters`)."""
+  if isinstance(ref_model, nnx.State):
+    ref_model = lora.with_adapters(model, ref_model)
   masks, logp_old, adversarial, entropy = behaviour_logp(model, seqs, key, obj)
   logp_ref = (likelihood.masked_logp(ref_model, seqs, masks.noised_BxMxL, staircase=obj.staircase,
                                      block_size=obj.block_size)
@@ -336,15 +359,20 @@ def behaviour_pass(model, ref_model, seqs, advantages_B, key, obj: Objective):
 @nnx.jit(static_argnames=("obj", "accumulation"), donate_argnames=("model", "optimizer"))
 def update(model, optimizer, batch: RLBatch, key, clip_epsilon=None, lr_scale=1.0, *,
            obj: Objective, accumulation: int):
-  """One optimiser step over `accumulation` micro-batches of whole groups.
+  """One optimiser step over `accumulation` micro-batches of whole groups, on the trainable
+  parameters (`lora.trainable`: the adapters alone when the model has any; with their dropout,
+  the policy's passes here draw masks from the micro-batch's key, the behaviour, reference and
+  rollout passes none).
 
   `clip_epsilon` (None: the objective's own) and `lr_scale` are traced, so the controls can move
   them every step without a recompile.
   """
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  graphdef, params, rest = nnx.split(model, lora.trainable(model), ...)
 
   def loss_fn(p, micro, k):
-    return policy_loss(nnx.merge(graphdef, p, rest), micro, k, obj, clip_epsilon)
+    policy = nnx.merge(graphdef, p, rest)
+    lora.set_dropout_key(policy, jax.random.fold_in(k, lora.DROPOUT_STREAM))
+    return policy_loss(policy, micro, k, obj, clip_epsilon)
 
   mesh = jax.typeof(jax.tree.leaves(params)[0]).sharding.mesh  # abstract inside jit
 

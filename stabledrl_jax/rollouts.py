@@ -46,6 +46,7 @@ class LLaDASampling:
   cfg_scale: float  # classifier-free guidance scale; 0 = none
   cache: str        # none | prefix | dual
   threshold: float  # commit every masked token at least this confident; 0 = off
+  order: str        # decoding.ORDERS: confidence (remasking's) | left_to_right
   stop_ids: tuple[int, ...] = ()  # () = the model config's stop tokens
   pad_id: int | None = None       # None = the model config's pad (else eos) token
 
@@ -64,6 +65,17 @@ class LLaDASampling:
     _check(self.cache in ("none", "prefix", "dual"), "cache", self.cache,
            "expected none, prefix or dual")
     _check(0 <= self.threshold <= 1, "threshold", self.threshold, "must lie in [0, 1] (0 = off)")
+    _check(self.order in decoding.ORDERS, "order", self.order,
+           f"expected one of {', '.join(decoding.ORDERS)}")
+    if self.order == "left_to_right":  # one token a step, in position order
+      _check(self.steps == self.gen_length, "steps", self.steps,
+             f"sampler.order=left_to_right commits one token a step: set it to sampler.gen_length "
+             f"({self.gen_length})")
+      _check(not self.threshold, "threshold", self.threshold,
+             "sampler.order=left_to_right commits one token a step, not by threshold (set 0)")
+      _check(self.remasking == "low_confidence", "remasking", self.remasking,
+             "sampler.order=left_to_right fixes the order that remasking=random would draw "
+             "(set low_confidence)")
 
   @classmethod
   def from_config(cls, sampler: ml_collections.ConfigDict, temperature: float) -> LLaDASampling:
@@ -71,7 +83,8 @@ class LLaDASampling:
     _check(sampler.top_p == 1, "top_p", sampler.top_p, "the LLaDA sampler has no top-p (set 1)")
     return cls(gen_length=sampler.gen_length, block_length=sampler.block_length,
                steps=sampler.steps, temperature=temperature, remasking=sampler.remasking,
-               cfg_scale=sampler.cfg_scale, cache=sampler.cache, threshold=sampler.threshold)
+               cfg_scale=sampler.cfg_scale, cache=sampler.cache, threshold=sampler.threshold,
+               order=sampler.order)
 
   @property
   def fast(self) -> bool:
@@ -84,9 +97,10 @@ class LLaDASampling:
   @property
   def label(self) -> str:
     """Which sampler this is, for logs and records."""
+    order = " left_to_right" if self.order == "left_to_right" else ""
     if not self.fast:
-      return "llada exact"
-    return f"llada cache={self.cache} threshold={self.threshold}"
+      return "llada exact" + order
+    return f"llada cache={self.cache} threshold={self.threshold}" + order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +115,7 @@ class SDARSampling:
   temperature: float
   top_k: int         # 0 = all tokens
   top_p: float       # 1 = all tokens
+  order: str         # decoding.ORDERS: confidence (strategy's) | left_to_right
   stop_ids: tuple[int, ...] = ()  # () = the model config's stop tokens
   pad_id: int | None = None       # None = the model config's pad (else eos) token
   use_cache: bool = True  # False recomputes the whole prefix every step (the reference path)
@@ -120,6 +135,15 @@ class SDARSampling:
     _check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
     _check(self.top_k >= 0, "top_k", self.top_k, "must be >= 0 (0 = all tokens)")
     _check(0 < self.top_p <= 1, "top_p", self.top_p, "must lie in (0, 1]")
+    _check(self.order in decoding.ORDERS, "order", self.order,
+           f"expected one of {', '.join(decoding.ORDERS)}")
+    if self.order == "left_to_right":  # one token a step, in position order, block by block
+      _check(self.steps == self.block_length, "steps", self.steps,
+             f"sampler.order=left_to_right commits one token a step: set it to "
+             f"sampler.block_length ({self.block_length}), the steps per block")
+      _check(self.strategy == "low_confidence_static", "strategy", self.strategy,
+             "sampler.order=left_to_right commits one token a step, not by threshold (set "
+             "low_confidence_static)")
 
   @classmethod
   def from_config(cls, sampler: ml_collections.ConfigDict, temperature: float) -> SDARSampling:
@@ -129,7 +153,8 @@ class SDARSampling:
            "the SDAR sampler has no classifier-free guidance (set 0)")
     return cls(gen_length=sampler.gen_length, block_length=sampler.block_length,
                steps=sampler.steps, strategy=sampler.strategy, threshold=sampler.threshold,
-               temperature=temperature, top_k=sampler.top_k, top_p=sampler.top_p)
+               temperature=temperature, top_k=sampler.top_k, top_p=sampler.top_p,
+               order=sampler.order)
 
   @property
   def fast(self) -> bool:
@@ -143,7 +168,7 @@ class SDARSampling:
   def label(self) -> str:
     if self.fast:
       return f"sdar {self.strategy} threshold={self.threshold}"
-    return f"sdar {self.strategy}"
+    return f"sdar {self.strategy}" + (" left_to_right" if self.order == "left_to_right" else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +211,8 @@ class DreamSampling:
            "the Dream sampler has no threshold decoding (set 0)")
     _check(not sampler.cfg_scale, "cfg_scale", sampler.cfg_scale,
            "the Dream sampler has no classifier-free guidance (set 0)")
+    _check(sampler.order == "confidence", "order", sampler.order,
+           "the Dream sampler's order is sampler.alg's (set confidence)")
     return cls(gen_length=sampler.gen_length, steps=sampler.steps, alg=sampler.alg,
                alg_temp=sampler.alg_temp, eps=sampler.eps, temperature=temperature,
                top_k=sampler.top_k, top_p=sampler.top_p)
@@ -300,12 +327,16 @@ class Sequences(NamedTuple):
   prompt_BxL: Array      # prompt tokens
   completion_BxL: Array  # the generated region (noised by estimators)
   counted_BxL: Array     # completion positions that count (up to the first stop token)
+  # int32 decoding step that committed each slot, -1 for the rest (the rollout's, for the
+  # trajectory likelihood); None for sequences no sampler decoded (`teacher_forced`)
+  commit_step_BxL: Array | None = None
 
 
 def from_rollout(rollout: Rollout) -> Sequences:
   completion = rollout.valid_BxL & ~rollout.prompt_mask_BxL
   return Sequences(rollout.tokens_BxL, rollout.positions_BxL, rollout.valid_BxL,
-                   rollout.prompt_mask_BxL, completion, rollout.completion_mask_BxL)
+                   rollout.prompt_mask_BxL, completion, rollout.completion_mask_BxL,
+                   rollout.commit_step_BxL)
 
 
 def teacher_forced(prompt_BxP: Array, prompt_valid_BxP: Array, completion_BxC: Array, *,

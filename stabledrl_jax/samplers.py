@@ -92,7 +92,8 @@ def llada_generate(model: nnx.Module, prompt_BxP: Array, prompt_valid_BxP: Array
   forward (two with classifier-free guidance: the unconditional copy has its prompt masked),
   picks `x̂ = argmax` of the Gumbel-perturbed logits, scores it by its softmax probability
   (`low_confidence`) or at random (`random`), and commits the scheduled number of the most
-  confident still-masked tokens of the current block.
+  confident still-masked tokens of the current block (`order=left_to_right`: the leftmost, one a
+  step).
 
   With `cache` other than `none` or a `threshold` (`sampling.fast`), decoding is the approximate
   fast algorithm of `llada_cached` instead (not the model's exact sampling distribution).
@@ -139,7 +140,8 @@ def _llada_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: LLaDASam
     x0_BxK, conf_BxK = decoding.choose_tokens(logits_BxKxV, key, s, sampling.temperature,
                                               sampling.remasking)
     k_B = schedule_BxS[:, s % steps_per_block]
-    commit = decoding.select_top_k(conf_BxK, still_masked, k_B)
+    commit = decoding.select_top_k(decoding.order_scores(conf_BxK, sampling.order), still_masked,
+                                   k_B)
     block_BxK = jnp.where(commit, x0_BxK, block_BxK)
     when_BxK = jnp.where(commit, s, jax.lax.dynamic_slice_in_dim(when_BxL, start, bl, axis=1))
     return (jax.lax.dynamic_update_slice_in_dim(x_BxL, block_BxK, start, axis=1), schedule_BxS,
@@ -165,8 +167,9 @@ def sdar_generate(model: nnx.Module, prompt_BxP: Array, prompt_valid_BxP: Array,
   The prompt's complete blocks are prefilled block-causally into a KV cache. Each following block
   is denoised by up to `steps` forwards over the cache plus the block (bidirectional inside it);
   each forward samples `x̂` (temperature / top-k / top-p, Gumbel draws) and commits the scheduled
-  number of most confident masked tokens (`low_confidence_static`), or every token whose
-  confidence exceeds `threshold` but at least the scheduled number (`low_confidence_dynamic`).
+  number of most confident masked tokens (`low_confidence_static`; `order=left_to_right`: the
+  leftmost, one a step), or every token whose confidence exceeds `threshold` but at least the
+  scheduled number (`low_confidence_dynamic`).
   A finished block costs one more forward that writes its keys and values to the cache. A row
   stops after the block in which it produced a stop token; the loop stops when every row has.
   With `use_cache=False` each forward recomputes the whole sequence block-causally instead.
@@ -228,8 +231,8 @@ def _sdar_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: SDARSampl
       x0 = decoding.gumbel_argmax(logits, 1.0 if sampling.temperature > 0 else 0.0, u_choice)
       probs = jax.nn.softmax(logits, axis=-1)
       conf = jnp.take_along_axis(probs, x0[..., None], axis=-1)[..., 0]
-      commit = decoding.confident_commit(conf, still_masked, schedule_BxS[:, s], sampling.threshold,
-                                         strict=True)
+      commit = decoding.confident_commit(decoding.order_scores(conf, sampling.order), still_masked,
+                                         schedule_BxS[:, s], sampling.threshold, strict=True)
       blk = jnp.where(commit, x0, blk)
       when_blk = jnp.where(commit, step0 + n, slice_block(when, j))
       return (jax.lax.dynamic_update_slice_in_dim(x, blk, j * bs, axis=1),

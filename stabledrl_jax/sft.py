@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from stabledrl_jax import estimators, flops, likelihood, losses, metrics, optim, rollouts, sharding
+from stabledrl_jax import (estimators, flops, likelihood, losses, lora, metrics, optim, rollouts,
+                           sharding)
 from stabledrl_jax.rollouts import Sequences
 
 Array = jax.Array
@@ -63,9 +64,15 @@ def sft_loss(model, seqs: Sequences, key: Array, *, scheme: str, staircase: bool
 @nnx.jit(static_argnames=("scheme", "staircase", "block_size"),
          donate_argnames=("model", "optimizer"))
 def update(model, optimizer, seqs, key, *, scheme, staircase, block_size):
-  def loss_fn(m):
-    return sft_loss(m, seqs, key, scheme=scheme, staircase=staircase, block_size=block_size)
-  (loss, _), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+  """One optimiser step on the trainable parameters (`lora.trainable`: the adapters alone when
+  the model has any, with their dropout drawn from `key`)."""
+  graphdef, params, rest = nnx.split(model, lora.trainable(model), ...)
+
+  def loss_fn(p):
+    policy = nnx.merge(graphdef, p, rest)
+    lora.set_dropout_key(policy, jax.random.fold_in(key, lora.DROPOUT_STREAM))
+    return sft_loss(policy, seqs, key, scheme=scheme, staircase=staircase, block_size=block_size)
+  (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
   return {"loss": loss, **optim.apply(model, optimizer, grads)}
 
 

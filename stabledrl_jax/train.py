@@ -22,7 +22,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from stabledrl_jax import (build, checkpointing, config_lib, controls, detectors, distributed,
-                           evaluate, export, flops, metrics, optim, rl, run_record, sft)
+                           evaluate, export, flops, lora, metrics, optim, rl, run_record, sft)
 
 
 class SetupError(Exception):
@@ -44,7 +44,7 @@ class Run:
   ckpt: checkpointing.Checkpointer
   optimizer: nnx.Optimizer | None = None
   writer: metrics.MetricsWriter | None = None
-  ref_model: nnx.Module | None = None
+  ref_model: nnx.Module | nnx.State | None = None  # `reference_model`
   skipped: int = 0
 
   @property
@@ -72,7 +72,9 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                         "config and rerun the same command to resume")
         return {"stopped": stopped._asdict(), "skipped_updates": r.skipped}
     final = final_evaluation(r)
-    distributed.log(f"policy: {export.export(c, r.model, os.path.join(workdir, 'hf'), replace=True)}")
+    out = export.export(c, r.model, os.path.join(workdir, "hf"), replace=True)
+    adapter = f", its LoRA adapter alone: {export.adapter_dir(out)}" if lora.adapters(r.model) else ""
+    distributed.log(f"policy: {out}{adapter}")
   finally:
     r.ckpt.wait()
     r.ckpt.close()
@@ -229,20 +231,25 @@ def summary(r: Run, final: dict[str, float]) -> dict[str, Any]:
   return {"before": before, "after": final, "skipped_updates": r.skipped}
 
 
-def copy_module(module):
-  """A copy of `module` with its own buffers (`nnx.clone` shares them, and the steps donate theirs)."""
+def copy_module(module, what=...):
+  """A copy of `module` with its own buffers for the state `what` selects (default: all of it) and
+  the rest shared (`nnx.clone` shares them all, and the steps donate theirs)."""
   copy = nnx.clone(module)
-  nnx.update(copy, jax.tree.map(jnp.copy, nnx.state(copy)))
+  nnx.update(copy, jax.tree.map(jnp.copy, nnx.state(copy, what)))
   return copy
 
 
-def reference_model(model, path: str, *, fresh: bool) -> nnx.Module:
-  """The KL reference: the weights at the start of RL, saved once there and reloaded on resume."""
-  ref = copy_module(model)
+def reference_model(model, path: str, *, fresh: bool) -> nnx.Module | nnx.State:
+  """The KL reference: the weights at the start of RL, saved once there and reloaded on resume.
+  A copy of the model; with LoRA adapters, the adapters' parameters alone (an `nnx.State` that
+  `rl.behaviour_pass` puts on the policy's frozen base), so the base is never held twice."""
+  adapted = bool(lora.adapters(model))
+  ref = copy_module(model, lora.ADAPTER if adapted else ...)
   if fresh or not os.path.exists(path):
     if not fresh:
       distributed.log(f"warning: no KL reference at {path}; using the resumed weights")
     checkpointing.save_params(path, ref)  # a rerun from RL's first step replaces an old one
   else:
     checkpointing.restore_params(path, ref)
-  return ref
+  # The copy shares the policy's base buffers, which the next update donates: keep its adapters.
+  return nnx.state(ref, lora.ADAPTER) if adapted else ref

@@ -43,6 +43,19 @@ def test_memory_reflects_parameter_sharding():
   assert "| sampler |" in aot.report(only) and "| rl_step |" not in aot.report(only)
 
 
+def test_lora_holds_moments_for_the_adapters_alone():
+  devices = jax.devices("cpu")[:1]
+  full = aot.check(_smoke(), devices, hbm_gib=1.0, programs=("rl_step",))
+  c = _smoke()
+  c.model.lora.rank = 4
+  adapted = aot.check(c, devices, hbm_gib=1.0, programs=("rl_step",))
+  n = full["params"]
+  # Full fine-tuning: parameters and Adam's two moments; LoRA: the frozen parameters, and the
+  # adapters with their moments (a few percent of n at rank 4).
+  assert full["rl_step"]["arguments"] >= 3 * 4 * n
+  assert 4 * n <= adapted["rl_step"]["arguments"] < 1.5 * 4 * n
+
+
 def test_unknown_topology_is_a_one_line_error():
   out = subprocess.run([sys.executable, "-m", "stabledrl_jax.aot", "--config=configs/sdar.py:smoke",
                         "--topology=cpu:64"], capture_output=True, text=True, timeout=300)

@@ -19,12 +19,14 @@ _PATH = bench.__file__
 
 
 def test_every_scheme_is_one_entry_and_applies_to_both_families():
-  assert [e.name for e in bench.ESTIMATORS] == list(estimators.SCHEMES)
+  assert [e.name for e in bench.ESTIMATORS] == [*estimators.SCHEMES, estimators.TRAJECTORY]
   assert "complementary" in estimators.SCHEMES
   by_name = {e.name: e for e in bench.ESTIMATORS}
   assert all(e.applies(f) for e in bench.ESTIMATORS for f in bench.FAMILIES)
-  # Only stratified_l estimates log p(x) itself; the others log p(x)/n (or a per-token mean).
-  assert [e.name for e in bench.ESTIMATORS if e.per_sequence] == ["stratified_l"]
+  # Only stratified_l (and the trajectory) estimates log p(x) itself; the others log p(x)/n (or a
+  # per-token mean). The trajectory scores another quantity than the ELBO.
+  assert [e.name for e in bench.ESTIMATORS if e.per_sequence] == ["stratified_l", "trajectory"]
+  assert [e.name for e in bench.ESTIMATORS if not e.elbo] == ["trajectory"]
   assert by_name["complementary"].budget_ok(2) and not by_name["complementary"].budget_ok(3)
   assert by_name["random_t"].budget_ok(3)
   assert set(bench.REFERENCE.values()) <= set(by_name)
@@ -32,10 +34,14 @@ def test_every_scheme_is_one_entry_and_applies_to_both_families():
 
 def test_mask_cost_counts_the_staircase_twice():
   seqs = type("S", (), {"tokens_BxL": np.zeros((5, 24))})()
-  llada = bench.Family("llada", False, 4, 0.15)
-  sdar = bench.Family("sdar", True, 4, 0.0)
+  llada = bench.Family("llada", False, 4, 0.15, 12)
+  sdar = bench.Family("sdar", True, 4, 0.0, 4)
   assert bench.mask_cost(2, llada, seqs) == (2, 48)
   assert bench.mask_cost(4, sdar, seqs) == (4, 4 * 48)
+  # The trajectory: s = ceil(steps / M), its ceil(steps / s) forwards at most M.
+  assert bench.trajectory_forwards(5, llada) == (4, 3)
+  assert bench.trajectory_cost(5, llada, seqs) == (4, 4 * 24)
+  assert bench.trajectory_cost(8, sdar, seqs) == (4, 4 * 48)
 
 
 def test_variances_by_hand():
@@ -109,6 +115,10 @@ def test_recommendation_keeps_the_default_within_the_noise():
           _row("block_t", 2, 0.6, 0.05, 1e-3, family="sdar")]
   line = bench.recommendation(rows, "sdar", "block_t")
   assert "use `rl.scheme=mean_field`" in line and "deterministic" in line
+  # The trajectory scores another quantity: never recommended, whatever its cosine.
+  line = bench.recommendation(rows + [_row("trajectory", 2, 0.99, 0.0, 0.0, family="sdar")],
+                              "sdar", "block_t")
+  assert "trajectory" not in line and "use `rl.scheme=mean_field`" in line
 
 
 def test_table_has_one_line_per_row():
@@ -151,7 +161,7 @@ def test_load_run_takes_the_sft_step_and_the_last_one(tmp_path):
   assert [label for label, _ in policy.checkpoints] == ["SFT (step 2)", "after RL (step 6)"]
   for (_, model), step in zip(policy.checkpoints, (2, 6)):
     np.testing.assert_array_equal(jax.tree.leaves(nnx.state(model, nnx.Param))[0], saved[step])
-  assert policy.family == bench.Family("sdar", True, 4, 0.0)
+  assert policy.family == bench.Family("sdar", True, 4, 0.0, 4)
 
 
 def test_load_run_names_a_missing_sft_step(tmp_path):
@@ -170,7 +180,7 @@ def test_the_script_measures_every_scheme_on_random_tiny_models(tmp_path):
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   text = (tmp_path / "estimators.md").read_text()
   for family in ("LLaDA", "SDAR"):
-    for scheme in estimators.SCHEMES:
+    for scheme in (*estimators.SCHEMES, estimators.TRAJECTORY):
       assert f"| {family} | random init | {scheme} | 2 |" in text
     assert f"- **{family}**: use `rl.scheme=" in text
   assert "--smoke" in text  # the exact command

@@ -1,10 +1,17 @@
 """LoRA adapters (stabledrl_jax.lora): the forward against float64 NumPy for every targeted
 module, zero B is the base model, only adapters train, merge, sharding, PEFT's rules and errors
-(fast); PEFT round trips against torch's `peft` on official-format tiny checkpoints (slow)."""
+(fast); PEFT round trips against torch's `peft` on official-format tiny checkpoints (slow). In a
+training run: the config keys, the SFT and RL updates, the KL reference, checkpoints, export
+(fast), and resumed runs through the entry point (slow)."""
+import dataclasses
 import functools
 import importlib.util
 import json
 import os
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -12,10 +19,12 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+import orbax.checkpoint as ocp
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from stabledrl_jax import lora, models, optim, sharding
+from stabledrl_jax import (build, checkpointing, config_lib, export, lora, models, optim, rl,
+                           rollouts, sft, sharding, train)
 
 _REHEARSAL = Path(__file__).resolve().parent / "rehearsal_test.py"
 # Every linear layer of the family's official checkpoint, by PEFT name (LLaDA's `ff_out` also
@@ -457,3 +466,275 @@ def test_whole_weights_peft_saves_beside_the_adapters_replace_the_models(tmp_pat
   with pytest.raises(lora.AdapterError, match=rf"'{resized}' has shape \(130, 64\), expected "
                      r"\(128, 64\)"):
     lora.load_peft(models.create(model.config), out)
+
+
+# ----------------------------------------------------------------------------- in a training run
+
+
+def run_config(family: str, **lora_keys) -> ml_collections.ConfigDict:
+  """The family's smoke config with `model.lora` keys set."""
+  c = config_lib.base_config(family)
+  config_lib.apply_preset(c, "smoke")
+  for key, value in lora_keys.items():
+    c.model.lora[key] = value
+  return c
+
+
+def _seqs(c, model, rows: int = 4):
+  """Teacher-forced sequences of random prompts and completions in the family's layout."""
+  rng = np.random.default_rng(0)
+  vocab = model.config.vocab_size
+  prompts = jnp.asarray(rng.integers(4, vocab, size=(rows, 4)), jnp.int32)
+  completions = jnp.asarray(rng.integers(4, vocab, size=(rows, 8)), jnp.int32)
+  return rollouts.teacher_forced(prompts, jnp.ones((rows, 4), bool), completions, family=c.family,
+                                 block_size=c.sampler.block_length, mask_id=model.config.mask_token_id)
+
+
+def _objective(c) -> rl.Objective:
+  return dataclasses.replace(rl.Objective.from_config(c), group_size=2)
+
+
+def _moment_size(optimizer) -> int:
+  return sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(nnx.state(optimizer, nnx.OptState))
+             if np.ndim(x))
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_sft_and_rl_updates_change_only_the_adapters_with_dropout_in_the_update_alone(family):
+  c = run_config(family, rank=4, dropout=0.25)
+  c.sft.warmup_steps = 0  # a first step that moves
+  model = build.model(c, build.tokenizer(c))
+  seqs, adv_B = _seqs(c, model), jnp.array([1.0, -1.0, 0.5, -0.5])
+  base = params(model, nnx.Not(lora.ADAPTER))
+  s, obj = sft.Settings.from_config(c), _objective(c)
+  for stage in ("sft", "rl"):
+    optimizer = optim.stage_optimizer(model, c, stage)
+    assert _moment_size(optimizer) == 2 * lora.num_params(model)  # Adam's two moments, adapters'
+    before = params(model, lora.ADAPTER)
+    if stage == "sft":
+      args = dict(scheme=s.scheme, staircase=s.staircase, block_size=s.block_size)
+      step = lambda m, o: sft.update(m, o, seqs, jax.random.key(1), **args)
+    else:
+      batch, _ = rl.behaviour_pass(model, None, seqs, adv_B, jax.random.key(2), obj)
+      step = lambda m, o: rl.update(m, o, batch, jax.random.key(3), obj=obj, accumulation=2)
+    undropped = train.copy_module(model), train.copy_module(optimizer)
+    for adapter in lora.adapters(undropped[0]).values():
+      adapter.dropout = 0.0
+    out, plain = step(model, optimizer), step(*undropped)
+    assert np.isfinite(float(out["loss"])) and not bool(out["skipped"]) and out["grad_norm"] > 0
+    assert float(out["grad_norm"]) != float(plain["grad_norm"])  # the update's policy pass drops
+    after = params(model, lora.ADAPTER)
+    assert any(np.abs(after[n] - before[n]).max() > 0 for n in after if n.endswith("lora_b"))
+    for name, value in params(model, nnx.Not(lora.ADAPTER)).items():
+      np.testing.assert_array_equal(value, base[name], err_msg=name)  # the base, bit for bit
+    assert all(a.dropout_key is None for a in lora.adapters(model).values())  # no dropout outside
+
+
+def test_a_sharded_lora_run_trains_as_an_unsharded_one():
+  c = run_config("sdar", rank=4)
+  c.sft.warmup_steps = 0
+  s = sft.Settings.from_config(c)
+  out = {}
+  for sizes in (None, {"fsdp": 4, "tensor": 2}):
+    mesh = None if sizes is None else sharding.make_mesh(sizes)
+    model = build.model(c, build.tokenizer(c), mesh)
+    optimizer = optim.stage_optimizer(model, c, "sft")
+    seqs = _seqs(c, model, rows=8)
+    if mesh is not None:
+      seqs = sharding.shard_batch(seqs, mesh)
+      a = model.blocks[0].up_proj.adapter.lora_b[...]
+      assert a.sharding.spec[1] == "tensor" and len(a.sharding.device_set) == 8
+    for k in range(2):
+      sft.update(model, optimizer, seqs, jax.random.key(k), scheme=s.scheme,
+                 staircase=s.staircase, block_size=s.block_size)
+    out[str(sizes)] = params(model, lora.ADAPTER)
+  want, got = out.values()
+  for name, value in want.items():  # the sharded base is initialised to float rounding
+    np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_the_kl_reference_is_the_rl_start_adapters_on_the_shared_frozen_base(tmp_path):
+  c = run_config("sdar", rank=4)
+  model = build.model(c, build.tokenizer(c))
+  randomise(model, scale=0.05)
+  seqs, adv_B, obj = _seqs(c, model), jnp.array([1.0, -1.0, 0.5, -0.5]), _objective(c)
+  ref = train.reference_model(model, str(tmp_path / "reference"), fresh=True)
+  assert isinstance(ref, nnx.State)  # the adapters alone: no second copy of the base
+  assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(ref)) == lora.num_params(model)
+  start, _ = rl.behaviour_pass(model, train.copy_module(model), seqs, adv_B, jax.random.key(1), obj)
+  shared, _ = rl.behaviour_pass(model, ref, seqs, adv_B, jax.random.key(1), obj)
+  np.testing.assert_array_equal(np.asarray(shared.logp_ref_BxMxL), np.asarray(start.logp_old_BxMxL))
+  optimizer = optim.stage_optimizer(model, c, "rl")
+  for k in range(2):  # the updates donate the model's buffers, base included
+    rl.update(model, optimizer, shared, jax.random.key(2 + k), obj=obj, accumulation=1)
+  moved, _ = rl.behaviour_pass(model, ref, seqs, adv_B, jax.random.key(1), obj)
+  np.testing.assert_allclose(np.asarray(moved.logp_ref_BxMxL), np.asarray(start.logp_old_BxMxL),
+                             rtol=0, atol=1e-6)  # still the RL-start policy
+  assert np.abs(np.asarray(moved.logp_old_BxMxL - start.logp_old_BxMxL)).max() > 1e-4
+  resumed = train.reference_model(model, str(tmp_path / "reference"), fresh=False)
+  jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(resumed), nnx.to_pure_dict(ref))
+
+
+def test_a_checkpoint_holds_the_adapters_alone_and_restores_onto_the_rebuilt_base(tmp_path):
+  c = run_config("llada", rank=4)
+  model = build.model(c, build.tokenizer(c))
+  randomise(model)
+  optimizer = optim.stage_optimizer(model, c, "rl")
+  optimizer.update(model, jax.tree.map(lambda p: jnp.full_like(p, 0.1), nnx.state(model, lora.ADAPTER)))
+  ckpt = checkpointing.Checkpointer(str(tmp_path), keep=1)
+  ckpt.save(3, model, optimizer, {"stage": "rl"})
+  ckpt.wait()
+  for item in ("model", "optimizer"):
+    saved = ocp.StandardCheckpointer().restore(str(tmp_path / "3" / item))
+    arrays = ["/".join(map(str, sharding.path_keys(p))) for p, x in
+              jax.tree_util.tree_leaves_with_path(saved) if np.ndim(x)]
+    assert arrays and all(a.endswith(("lora_a", "lora_b")) for a in arrays), (item, arrays)
+  assert len(arrays) == 2 * 2 * len(lora.adapters(model))  # Adam's mu and nu of each A and B
+  rebuilt = build.model(c, build.tokenizer(c))  # base from the seed, fresh adapters
+  rebuilt_optimizer = optim.stage_optimizer(rebuilt, c, "rl")
+  ckpt.restore(3, rebuilt, rebuilt_optimizer)
+  ckpt.close()
+  want, got = params(model, nnx.Param), params(rebuilt, nnx.Param)
+  assert set(got) == set(want)
+  for name, value in want.items():
+    np.testing.assert_array_equal(got[name], value, err_msg=name)
+  jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(optimizer)),
+               nnx.to_pure_dict(nnx.state(rebuilt_optimizer)))
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_export_writes_the_merged_model_and_the_adapter_alone(family, tmp_path):
+  c = run_config(family, rank=4)
+  tokenizer = build.tokenizer(c)
+  model = build.model(c, tokenizer)
+  randomise(model, scale=0.05)
+  out = export.export(c, model, str(tmp_path / "hf"))
+  assert lora.adapters(model)  # the model keeps its adapters
+  ids = jax.random.randint(jax.random.key(0), (2, 12), 0, model.config.vocab_size)
+  kw = attention_of(family)
+  want = np.asarray(logits(model, ids, **kw))
+  merged, _ = models.load_pretrained(out, dtype="float32")
+  assert not lora.adapters(merged)
+  np.testing.assert_allclose(np.asarray(logits(merged, ids, **kw)), want, rtol=1e-5, atol=1e-5)
+  adapter_dir = export.adapter_dir(out)
+  assert adapter_dir == str(tmp_path / "hf_adapter")
+  peft = json.load(open(os.path.join(adapter_dir, "adapter_config.json")))
+  assert (peft["r"], peft["lora_alpha"], peft["base_model_name_or_path"]) == (4, 16, None)
+  base = build.base_model(c, tokenizer)
+  assert set(lora.select(base.config, lora.load_peft(base, adapter_dir).targets)) == set(
+      lora.adapters(model))
+  np.testing.assert_allclose(np.asarray(logits(base, ids, **kw)), want, rtol=1e-6, atol=1e-6)
+
+
+def test_lora_init_starts_from_a_peft_adapter_and_a_disagreeing_rank_is_named(tmp_path):
+  c = run_config("llada", rank=4, alpha=8.0, targets="q_proj,v_proj")
+  model = build.model(c, build.tokenizer(c))
+  randomise(model)
+  adapter = str(tmp_path / "adapter")
+  lora.export_peft(model, adapter)
+  started = run_config("llada")
+  started.model.lora_init = adapter  # rank 0: the adapter's settings
+  assert build.settings(started).lora == lora.LoraConfig(4, 8.0, 0.0, ("q_proj", "v_proj"))
+  got, want = params(build.model(started, build.tokenizer(c)), nnx.Param), params(model, nnx.Param)
+  assert set(got) == set(want)
+  for name, value in want.items():
+    np.testing.assert_array_equal(got[name], value, err_msg=name)
+  for key, value, peft_key in (("rank", 8, "r=4"), ("alpha", 16.0, "lora_alpha=8.0"),
+                               ("targets", "q_proj", "target_modules=('q_proj', 'v_proj')")):
+    bad = run_config("llada", rank=4, alpha=8.0)
+    bad.model.lora[key], bad.model.lora_init = value, adapter
+    with pytest.raises(ValueError, match=rf"^config\.model\.lora\.{key}={value!r} disagrees with "
+                       rf"config\.model\.lora_init='{adapter}' \({re.escape(peft_key)} in its "
+                       r"adapter_config\.json\)"):
+      build.settings(bad)
+
+
+@pytest.mark.parametrize("key,value,why", [
+    ("lora.rank", -1, "must be >= 0"), ("lora.alpha", 0.0, "must be a finite number > 0"),
+    ("lora.dropout", 1.0, r"must lie in \[0, 1\)"), ("lora.targets", "q_proj;v_proj", ".* is not a module name"),
+    ("lora_init", "/nonexistent/adapter", "no such directory"),
+])
+def test_bad_lora_keys_are_named_in_one_line(key, value, why):
+  c = run_config("sdar")
+  if key == "lora_init":
+    c.model.lora_init = value
+  else:
+    c.model.lora[key.split(".")[1]] = value
+  with pytest.raises(ValueError, match=rf"^config\.model\.{re.escape(key)}={re.escape(repr(value))}: "
+                     f"{why}") as e:
+    build.settings(c)
+  assert "\n" not in str(e.value)
+  c = run_config("llada", rank=4, targets="o_proj,gate_proj")  # no module of LLaDA's has these
+  with pytest.raises(ValueError, match=r"^config\.model\.lora\.targets='o_proj,gate_proj': lora "
+                     "target .* selects no module of family 'llada'"):
+    build.model(c, build.tokenizer(c))
+
+
+def test_default_targets_are_the_projections_without_the_head():
+  for family, n in (("llada", 7), ("sdar", 7), ("dream", 7)):
+    c = run_config(family, rank=2)
+    model = build.model(c, build.tokenizer(c))
+    names = set(lora.adapters(model))
+    assert len(names) == n * model.config.n_layers and lora.head_module(model.config) not in names
+    assert set(lora.select(model.config, lora.config_of(model).targets)) == names
+  # d1's target list on LLaDA's names: PEFT adapts q, k, v and up_proj, and skips the rest.
+  c = config_lib.config("llada", "8b_lora").unlock()
+  targets = lora.targets_from_config("llada", c.model.lora.targets)
+  assert {n.rsplit(".", 1)[-1] for n in lora.select(tiny("llada"), targets, strict=False)} == {
+      "q_proj", "k_proj", "v_proj", "up_proj"}
+  assert lora.unmatched(tiny("llada"), targets) == ["o_proj", "gate_proj", "down_proj"]
+
+
+# ----------------------------------------------------------------------------- slow: whole runs
+
+
+LORA_RUN = ("--config.model.lora.rank=16", "--config.model.lora.alpha=32",
+            "--config.model.lora.dropout=0.1", "--config.sft.lr=1e-2", "--config.sft.warmup_steps=0",
+            "--config.sft.steps=4", "--config.rl.steps=3", "--config.rl.objective=grpo",
+            "--config.rl.kl_coef=0.5", "--config.checkpoint.every=1", "--config.checkpoint.keep=10",
+            "--config.eval.every=100", "--config.eval.num_examples=8")
+
+
+def _tensors(directory: Path) -> dict:
+  return {name: value for f in sorted(directory.glob("*.safetensors"))
+          for name, value in load_file(str(f)).items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,resume_at", [("llada", 2), ("sdar", 5)])  # mid-SFT; mid-RL
+def test_a_resumed_lora_run_matches_an_uninterrupted_one_and_exports_both_ways(family, resume_at,
+                                                                                 tmp_path):
+  from tests.train_test import REPO, read_jsonl, run_main, strip_timing
+  config = f"configs/{family}.py:smoke"
+  out = run_main(config, tmp_path, *LORA_RUN)
+  assert out.returncode == 0, out.stderr[-3000:]
+  straight = strip_timing(read_jsonl(tmp_path / "metrics.jsonl"))
+  assert [r["stage"] for r in straight] == ["sft"] * 4 + ["rl"] * 3
+  assert all(r["grad_norm"] > 0 for r in straight)  # every step moved the adapters
+  assert all(abs(r["kl"]) > 0 for r in straight[5:])  # the KL reference is in play
+  for item in ("model", "optimizer"):  # the base is rebuilt on resume, never saved
+    saved = ocp.StandardCheckpointer().restore(str(tmp_path / "checkpoints" / "6" / item))
+    assert all("/".join(map(str, sharding.path_keys(p))).endswith(("lora_a", "lora_b"))
+               for p, x in jax.tree_util.tree_leaves_with_path(saved) if np.ndim(x)), item
+  merged, adapter = _tensors(tmp_path / "hf"), _tensors(tmp_path / "hf_adapter")
+  assert merged and adapter and all(".lora_" in name for name in adapter)
+
+  for step in range(resume_at, 7):  # as if stopped after the checkpoint of step resume_at - 1
+    shutil.rmtree(tmp_path / "checkpoints" / str(step))
+  out = run_main(config, tmp_path, *LORA_RUN)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "resumed from" in out.stdout and f"step {resume_at}/7" in out.stdout
+  assert strip_timing(read_jsonl(tmp_path / "metrics.jsonl")) == straight
+  for want, got in ((merged, _tensors(tmp_path / "hf")), (adapter, _tensors(tmp_path / "hf_adapter"))):
+    assert set(got) == set(want)
+    for name in want:
+      np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+  cli = subprocess.run([sys.executable, "-m", "stabledrl_jax.export", f"--workdir={tmp_path}",
+                        f"--out={tmp_path / 'cli'}"], cwd=REPO, capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
+  assert cli.returncode == 0, cli.stderr[-3000:]
+  assert f"to {tmp_path / 'cli'} and {tmp_path / 'cli_adapter'}" in cli.stdout
+  for want, got in ((merged, _tensors(tmp_path / "cli")), (adapter, _tensors(tmp_path / "cli_adapter"))):
+    for name in want:
+      np.testing.assert_array_equal(got[name], want[name], err_msg=name)

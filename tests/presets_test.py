@@ -135,3 +135,23 @@ def test_dream_7b_validates_and_the_checkpoint_presets_belong_to_their_family(tm
                                ("llada", "7b", "'8b'"), ("sdar", "7b", "'8b'")):
     with pytest.raises(ValueError, match=f"preset '{preset}' with family='{family}'.*{want}"):
       _config(family, preset)
+
+
+# d1's diffu-GRPO LoRA (dllm-reasoning/d1: its peft LoraConfig and train.yaml), written here apart
+# from the preset.
+D1_LORA = {"model.lora.rank": 128, "model.lora.alpha": 64.0, "model.lora.dropout": 0.05,
+           "model.lora.targets": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+           "rl.lr": 3e-6}
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_8b_lora_is_the_8b_run_with_d1s_lora(family, tmp_path):
+  from stabledrl_jax import run_record
+  lora_run, full = _config(family, "8b_lora"), _config(family, "8b")
+  changed = {k: b for k, a, b in run_record.changes(full.to_dict(), lora_run.to_dict())}
+  assert changed == D1_LORA
+  lora_run.model.checkpoint = str(tmp_path)
+  lora_run.task.source_dir = str(tmp_path)
+  config_lib.validate(lora_run)
+  with pytest.raises(ValueError, match="preset '8b_lora' with family='dream'.*'7b'"):
+    _config("dream", "8b_lora")

@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from stabledrl_jax import build, config_lib, models, rollouts, samplers
+from tests.samplers_test import left_pad
 
 MASK = 127
 
@@ -30,16 +31,6 @@ def _llada(n_layers=2, seed=3, sharpen=1.0):
 @pytest.fixture(scope="module")
 def model():
   return _llada(seed=7, sharpen=30.0)
-
-
-def left_pad(prompts):
-  p = max(len(x) for x in prompts)
-  ids = np.zeros((len(prompts), p), np.int32)
-  valid = np.zeros((len(prompts), p), bool)
-  for i, x in enumerate(prompts):
-    ids[i, p - len(x):] = x
-    valid[i, p - len(x):] = True
-  return jnp.asarray(ids), jnp.asarray(valid)
 
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]

@@ -222,6 +222,8 @@ def test_a_stability_event_stops_the_run_and_keeps_its_checkpoint(tmp_path):
     ("--config.model.checkpoint=/nonexistent/ckpt", "model.checkpoint"),
     ("--config.rl.objective=ppo", "rl.objective"),
     ("--config.sampler.temperature=-1", "sampler.temperature"),
+    ("--config.model.lora.rank=-1", "model.lora.rank"),
+    ("--config.model.lora_init=/nonexistent/adapter", "model.lora_init"),
 ])
 def test_bad_config_fails_fast_in_one_line_naming_the_key(override, named, tmp_path):
   out = run_main("configs/sdar.py:smoke", tmp_path / "run", override, timeout=120)
