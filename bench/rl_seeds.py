@@ -75,7 +75,7 @@ def main() -> None:
   for s in seeds:
     e = read_evals(workdirs[s])
     before, after = e["before RL"], e["after RL"]
-    for (b, a), key in zip(table.values(), ("accuracy", "accuracy")):
+    for (b, a), key in zip(table.values(), ("mean_reward", "accuracy")):
       b.append(before[key])
       a.append(after[key])
     wall = f"{walls[s] / 60:.1f} min" if s in walls else "earlier"
