@@ -10,6 +10,7 @@ r"""StableDRL on a full-attention masked diffusion (LLaDA) model.
   # (8b_official: 16) (BUILD.md, ahead-of-time fit check)
   # 8b_lora: the 8b run training LoRA adapters alone (d1's r=128, alpha 64, dropout 0.05,
   # lr 3e-6); it exports WORKDIR/hf (merged) and WORKDIR/hf_adapter (PEFT)
+  python -m stabledrl_jax.main --config=configs/llada.py:8b_ar ...  # JustGRPO; 8b's flags
 
 Override any key with --config.a.b=value (e.g. --config.rl.objective=grpo). The presets are in
 `stabledrl_jax/presets.py`, every key's default in `stabledrl_jax/config_lib.py`.

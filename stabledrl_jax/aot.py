@@ -64,11 +64,11 @@ def topology_devices(name: str) -> list:
 def model_config(c) -> models.ModelConfig:
   if c.model.checkpoint and os.path.isdir(c.model.checkpoint):
     cfg = models.config_from_hf(models.huggingface.read_hf_config(c.model.checkpoint),
-                                compute_dtype=c.model.compute_dtype)
+                                compute_dtype=c.model.compute_dtype, param_dtype=c.model.param_dtype)
     return models.replace(cfg, **models.runtime_options(c.model))
   if c.model.checkpoint:  # the 8b / 7b presets, with a checkpoint path that is not on this host
     return models.preset(CHECKPOINT_PRESETS[c.family], compute_dtype=c.model.compute_dtype,
-                         **models.runtime_options(c.model))
+                         param_dtype=c.model.param_dtype, **models.runtime_options(c.model))
   return nnx.eval_shape(lambda: build.model(c, build.tokenizer(c))).config
 
 

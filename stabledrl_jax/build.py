@@ -98,7 +98,7 @@ def base_model(c: ml_collections.ConfigDict, tokenizer, mesh=None) -> nnx.Module
   sharded on `mesh`."""
   if c.model.checkpoint:
     model, _ = models.load_pretrained(c.model.checkpoint, dtype=c.model.compute_dtype,
-                                      mesh=mesh if mesh is not None and mesh.size > 1 else None,
+                                      param_dtype=c.model.param_dtype, mesh=mesh if mesh is not None and mesh.size > 1 else None,
                                       options=models.runtime_options(c.model))
     return model
   family = models.family_options(c.family)  # model_type, q/k norm, no block for full attention
@@ -111,7 +111,7 @@ def base_model(c: ml_collections.ConfigDict, tokenizer, mesh=None) -> nnx.Module
       mlp_dim=c.model.mlp_dim, mask_token_id=tokenizer.mask_id,
       eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
       stop_token_ids=(tokenizer.eos_id,), compute_dtype=c.model.compute_dtype,
-      **family, **models.runtime_options(c.model))
+      param_dtype=c.model.param_dtype, **family, **models.runtime_options(c.model))
   if mesh is not None and mesh.size > 1:
     return sharding.create_model(cfg, c.seed, mesh)
   return models.create(cfg, seed=c.seed)

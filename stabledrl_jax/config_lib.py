@@ -71,6 +71,7 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.model.n_kv_heads = 4
   c.model.mlp_dim = 384
   c.model.compute_dtype = "float32"
+  c.model.param_dtype = "float32"   # stored weights; bfloat16 halves a LoRA run's frozen base
   c.model.remat = False
   c.model.remat_policy = "nothing"  # with remat: "nothing" | "dots" | "dots_no_batch" saved
   c.model.attention_impl = "dense"  # "blockwise": key tiles, no [heads, T, S] scores
@@ -134,6 +135,9 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.rl.scheme = "block_t" if family == "sdar" else "block_random"
   c.rl.trajectory_shrink = 1    # trajectory: s decoding steps merged into one forward (TraceRL's s)
   c.rl.num_samples = 2          # M Monte Carlo masks per completion
+  # M copies through the model this many at a time, each pass recomputed in the backward pass
+  # (0: all M at once); bounds the trajectory scheme's memory, whose M is its forwards
+  c.rl.copies_per_pass = 0
   c.rl.coupling = "coupled"     # or "independent" (the official code)
   c.rl.p_mask_prompt = 0.0 if family == "sdar" else 0.15
   c.rl.min_mask_prob = 1e-3     # ε of the masking level t ~ U[ε, 1] (complementary: U[ε, 1 - ε];
@@ -295,8 +299,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
       bad("task.sft_blanks", "expected 0 (= task.blanks) or 1 to 12")
     if not 0 <= c.task.sft_unfilled < 1:
       bad("task.sft_unfilled", "must lie in [0, 1)")
-  if c.optim.moment_dtype not in ("float32", "bfloat16"):
-    bad("optim.moment_dtype", "expected float32 or bfloat16")
+  for key in ("model.param_dtype", "optim.moment_dtype"):
+    if c[key.split(".")[0]][key.split(".")[1]] not in ("float32", "bfloat16"):
+      bad(key, "expected float32 or bfloat16")
   for key in ("optim.offload_state", "eval.fast"):
     if not isinstance(c[key.split(".")[0]][key.split(".")[1]], bool):
       bad(key, "expected True or False")

@@ -92,13 +92,26 @@ def head_logp(model, h_NxLxD: Array, targets_NxL: Array, *, with_entropy: bool =
 
 
 def masked_logp(model, seqs: Sequences, noised_BxMxL: Array, *, staircase: bool,
-                block_size: int | None = None, with_entropy: bool = False):
+                block_size: int | None = None, with_entropy: bool = False,
+                copies_per_pass: int = 0):
   """float32 `log p(x_i | x_t)` for every position of every masked copy, `[B, M, L]`.
 
   `with_entropy=True` returns `(logp, entropy)`, the entropy (nats) of the model's prediction at
-  each position, same shape, from the same forward pass.
+  each position, same shape, from the same forward pass. `copies_per_pass` C in (0, M): the
+  copies go through the model C at a time in a loop, each pass recomputed in the backward pass
+  (`jax.checkpoint`), so activations are held for B*C sequences instead of B*M (the trajectory
+  scheme's M is its number of forwards, up to the generation length).
   """
   b, m, t = noised_BxMxL.shape
+  c = copies_per_pass
+  if 0 < c < m:
+    k = -(-m // c)  # passes; the last one padded with unmasked copies, dropped after
+    noised_KxBxCxL = jnp.pad(noised_BxMxL, ((0, 0), (0, k * c - m), (0, 0))).reshape(
+        b, k, c, t).transpose(1, 0, 2, 3)
+    one = jax.checkpoint(lambda n_BxCxL: masked_logp(
+        model, seqs, n_BxCxL, staircase=staircase, block_size=block_size, with_entropy=with_entropy))
+    out = jax.lax.map(one, noised_KxBxCxL)
+    return jax.tree.map(lambda x: x.transpose(1, 0, 2, 3).reshape(b, k * c, t)[:, :m], out)
   h = masked_hidden(model, seqs, noised_BxMxL, staircase=staircase, block_size=block_size)
   out = head_logp(model, h, jnp.repeat(seqs.tokens_BxL, m, axis=0), with_entropy=with_entropy)
   if not with_entropy:

@@ -1,22 +1,26 @@
 """The config presets (`configs/NAME.py:PRESET`): `tiny`, `smoke`, `sudoku`, `8b`, `8b_official`,
-`8b_lora` (LLaDA, SDAR) and `7b` (Dream), as edits of `config_lib.base_config`'s dict, every one of
-them here and nowhere else (`config_lib.apply_preset` is this module's `apply_preset`).
+`8b_ar` (LLaDA), `8b_lora` (LLaDA, SDAR) and `7b` (Dream), as edits of `config_lib.base_config`'s
+dict, every one of them here and nowhere else (`config_lib.apply_preset` is this module's
+`apply_preset`).
 """
 from __future__ import annotations
 
 import ml_collections
 
 
-PRESETS = ("tiny", "smoke", "sudoku", "8b", "8b_official", "8b_lora", "7b")
-CHECKPOINT_PRESETS = ("8b", "8b_official", "8b_lora", "7b")  # a pretrained checkpoint's settings
+PRESETS = ("tiny", "smoke", "sudoku", "8b", "8b_official", "8b_ar", "8b_lora", "7b")
+# A pretrained checkpoint's settings.
+CHECKPOINT_PRESETS = ("8b", "8b_official", "8b_ar", "8b_lora", "7b")
 
 
 def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
   """`tiny` is the default (clean SFT, then RL, on sorting digits); `smoke` the same path in
   minutes (on Sudoku); `sudoku` the earlier main job (4x4 Sudoku from a demonstrator that leaves
   half the blanks empty); `8b` the published settings; `8b_official` the official StableDRL code's
-  GSM8K run (`official_gsm8k`); `8b_lora` the `8b` run training LoRA adapters with d1's settings
-  (`d1_lora`); `7b` Dream-v0-Instruct-7B with the published Dream RL settings (`dream_7b`)."""
+  GSM8K run (`official_gsm8k`); `8b_ar` JustGRPO's run, GRPO on left-to-right rollouts with the
+  exact autoregressive likelihood (`just_grpo`, LLaDA only); `8b_lora` the `8b` run training LoRA
+  adapters with d1's settings (`d1_lora`); `7b` Dream-v0-Instruct-7B with the published Dream RL
+  settings (`dream_7b`)."""
   if preset not in PRESETS:
     raise ValueError(f"unknown config preset {preset!r}: expected one of {PRESETS}")
   if (preset == "7b") != (c.family == "dream") and preset in CHECKPOINT_PRESETS:
@@ -74,6 +78,8 @@ def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
       c.rl.accumulation = 8  # the same update in 8 micro-batches: fits 4 v5p chips (BUILD.md)
   if preset == "8b_official":
     official_gsm8k(c)
+  if preset == "8b_ar":
+    just_grpo(c)
   if preset == "8b_lora":
     d1_lora(c)
 
@@ -81,14 +87,15 @@ def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
 def d1_lora(c: ml_collections.ConfigDict) -> None:
   """d1's LoRA (dllm-reasoning/d1, diffu-GRPO on LLaDA-8B-Instruct: its peft LoraConfig and
   train.yaml) on top of the `8b` preset: r=128, lora_alpha=64, lora_dropout=0.05, the Qwen/LLaMA
-  target_modules below, and its learning rate 3e-6; everything else is the `8b` preset's (d1's
-  QLoRA 4-bit base is not built here: the base stays in the `8b` preset's dtypes).
+  target_modules below, and its learning rate 3e-6; the frozen base stored in bfloat16 (d1's
+  QLoRA 4-bit base is not built here); everything else is the `8b` preset's.
 
   PEFT's matching is kept: a name that selects no module is skipped, one must select. On LLaDA's
   own module names (attn_out, ff_proj, ff_out) only q_proj, k_proj, v_proj and up_proj exist, so
   PEFT, d1 and this preset adapt just those four; on SDAR's Qwen-style names all seven."""
   c.model.lora.rank, c.model.lora.alpha, c.model.lora.dropout = 128, 64.0, 0.05
   c.model.lora.targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+  c.model.param_dtype = "bfloat16"
   c.rl.lr = 3e-6
 
 
@@ -117,6 +124,66 @@ def official_gsm8k(c: ml_collections.ConfigDict) -> None:
   c.optim.b1, c.optim.b2, c.optim.weight_decay = 0.9, 0.99, 0.1
   c.optim.decay_steps, c.optim.grad_clip = 2000, 0.2
   c.sampler.temperature, c.sampler.remasking = 0.9, "low_confidence"  # gen 256, block 32, 128 steps
+
+
+def just_grpo(c: ml_collections.ConfigDict) -> None:
+  """JustGRPO (Ni et al., "The Flexibility Trap", arXiv 2601.15165): plain GRPO on
+  LLaDA-8B-Instruct with rollouts decoded left to right, one token a step, and the exact
+  autoregressive likelihood, on top of the `8b` preset; 89.1 on GSM8K (the paper's abstract; 256
+  tokens in the code's README results table). The values are those of the public code,
+  github.com/LeapLabTHU/JustGRPO (commit eebe50e; the GSM8K values unchanged since its first
+  release): its `train.py` (`TrainConfig`, the AdamW call), `grpo.py` (`sample`, `logprob_loss`,
+  `compute_group_advantages`) and README (the GSM8K training command and its batch note). The
+  paper's own text was not available here; nothing below comes from it but the score.
+
+  - The method: rl.scheme=trajectory with rl.trajectory_shrink=1 and sampler.order=left_to_right,
+    sampler.steps = sampler.gen_length = 256 (`grpo.sample`: LLaDA's generate with block_length 1,
+    gen_steps = gen_length = 256; `logprob_loss`: one forward per completion token, its
+    predecessors visible and its successors masked). The objective is GRPO's token-level PPO clip
+    (rl.objective=grpo) with ε 0.2 (`logprob_loss` eps), no KL term (the 8b's kl_coef 0), one
+    update per rollout batch (μ = 1: the ratio is taken against the same parameters' detached
+    log-probabilities), advantages (r - mean) / (std + 1e-4) within the group (mean_std).
+  - Rollouts: G = 16 (num_generations 8 x repeat_times 2), temperature 1.0 (`sample`'s default;
+    `train.py` passes none).
+  - Batch: 64 prompts per optimiser step (README: global batch num_gpus x grad_accum = 64; 8
+    processes x 1 prompt x grad_accum 8), in 8 micro-batches of 8 prompts (grad_accum 8; 8
+    prompts = JustGRPO's one per process). 125 steps (total_steps).
+  - AdamW: lr 5e-6, betas (0.9, 0.999), eps 1e-8 (optax's default too), weight decay 0, gradient
+    clip 1.0 (max_grad_norm), seed 1234. JustGRPO's rate is constant (no scheduler); the
+    project's optimiser always decays linearly, so here over 10^6 updates: within 0.013% of
+    constant over the run's 125.
+
+  Kept from the `8b` preset: GSM8K with the project's plain chat prompt (JustGRPO's prompt is the
+  bare question through the chat template) and 1/0 correctness (JustGRPO's +1/-1 is 2x that minus
+  1: the mean_std advantages cancel both, up to the 1e-4); bf16 compute with every layer
+  rematerialised (as JustGRPO's whole-layer activation checkpointing), fp32 master weights
+  (JustGRPO keeps its weights in bfloat16); sampler.block_length 32 (JustGRPO's evaluation block;
+  left to right, the block does not change the exact rollouts); sampler.cache=dual: the cached
+  sampler decodes left to right too, though its rollouts are not the model's exact distribution
+  (JustGRPO's are: --config.sampler.cache=none); checkpointing, evaluation and the unused
+  StableDRL keys (rl.max_ratio, rl.num_samples). Not reproduced: JustGRPO's loss normalisation
+  (each token's term / gen_length / the mean count of non-zero advantages, padding tokens after
+  the answer included; here the per-sequence mean over counted tokens). Its reported score
+  decodes greedily in blocks of 32 in 256 steps by confidence, not left to right: evaluate with
+  --config.sampler.order=confidence for that figure. Not checked: its memory fit (the trajectory
+  likelihood forwards all J = 256 masked copies of a micro-batch's completions at once).
+  """
+  if c.family != "llada":
+    raise ValueError(f"config preset '8b_ar' with family={c.family!r}: JustGRPO's published run "
+                     "trains LLaDA only; use configs/llada.py:8b_ar")
+  c.seed = 1234
+  c.rl.objective, c.rl.ppo_epsilon, c.rl.kl_coef, c.rl.advantage = "grpo", 0.2, 0.0, "mean_std"
+  c.rl.scheme, c.rl.trajectory_shrink = "trajectory", 1
+  # Its 256 forwards one at a time, each recomputed in the backward pass (JustGRPO runs one
+  # backward per position): a pass holds a micro-batch of 128 sequences, as the `8b` preset's.
+  c.rl.copies_per_pass = 1
+  c.rl.group_size, c.rl.updates_per_batch = 16, 1
+  c.rl.prompts_per_step, c.rl.accumulation, c.rl.steps = 64, 8, 125
+  c.rl.lr, c.rl.warmup_steps = 5e-6, 0
+  c.optim.b1, c.optim.b2, c.optim.weight_decay, c.optim.grad_clip = 0.9, 0.999, 0.0, 1.0
+  c.optim.decay_steps = 10**6  # ~constant (see above)
+  c.sampler.order, c.sampler.temperature = "left_to_right", 1.0
+  c.sampler.gen_length = c.sampler.steps = 256
 
 
 def dream_7b(c: ml_collections.ConfigDict) -> None:

@@ -68,12 +68,15 @@ class Objective:
   spg_beta: float
   adversarial: float        # > 0: docs/method.md §8's ratio explosion on this fraction of the rollouts
   trajectory_shrink: int    # trajectory: decoding steps per forward (TraceRL's s)
+  copies_per_pass: int      # C: the M masked copies go through the model C at a time (0: all)
 
   def __post_init__(self):
     _check(self.name in OBJECTIVES, "objective", self.name, f"expected one of {tuple(OBJECTIVES)}")
     _check(self.scheme in (*estimators.SCHEMES, estimators.TRAJECTORY), "scheme", self.scheme,
            f"expected one of {(*estimators.SCHEMES, estimators.TRAJECTORY)}")
     _check(self.trajectory_shrink >= 1, "trajectory_shrink", self.trajectory_shrink, "must be >= 1")
+    _check(self.copies_per_pass >= 0, "copies_per_pass", self.copies_per_pass,
+           "must be >= 0 (0: every copy in one pass)")
     if self.scheme == estimators.TRAJECTORY:
       _check(self.spec.surrogate == "elbo", "objective", self.name,
              "SPG's upper bound needs random masks; rl.scheme=trajectory has none (use stabledrl, "
@@ -125,7 +128,8 @@ class Objective:
                epsilon=r.ppo_epsilon if ppo else r.epsilon,
                max_ratio=r.max_ratio or None, epsilon_high=r.epsilon_high or None,
                kl_coef=r.kl_coef, spg_omega=r.spg_omega, spg_beta=r.spg_beta,
-               adversarial=r.adversarial, trajectory_shrink=r.trajectory_shrink)
+               adversarial=r.adversarial, trajectory_shrink=r.trajectory_shrink,
+               copies_per_pass=r.copies_per_pass)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +211,8 @@ def behaviour_logp(model, seqs: Sequences, key: Array, obj: Objective):
     masks = _where_rows(rows_B, hard, masks)
     adversarial = Adversarial(rows_B, easy.noised_BxMxL, easy.weight_BxMxL)
   lp, ent = likelihood.masked_logp(model, seqs, masks.noised_BxMxL, staircase=obj.staircase,
-                                   block_size=obj.block_size, with_entropy=True)
+                                   block_size=obj.block_size, with_entropy=True,
+                                   copies_per_pass=obj.copies_per_pass)
   seen = masks.weight_BxMxL != 0  # the masked counted positions (trajectory: each token once)
   entropy = jnp.sum(jnp.where(seen, ent, 0.0)) / jnp.maximum(jnp.sum(seen), 1)
   return masks, jax.lax.stop_gradient(lp), adversarial, jax.lax.stop_gradient(entropy)
@@ -264,7 +269,7 @@ def policy_loss(model, batch: RLBatch, key: Array, obj: Objective,
     masks = _where_rows(adv.rows_B, estimators.MaskSample(adv.noised_BxMxL, adv.weight_BxMxL), masks)
   noised, weight = masks
   logp_new = likelihood.masked_logp(model, batch.seqs, noised, staircase=obj.staircase,
-                                    block_size=obj.block_size)
+                                    block_size=obj.block_size, copies_per_pass=obj.copies_per_pass)
   log_ratio, elbo_new = losses.elbo_ratio(logp_new, weight, batch.logp_old_BxMxL,
                                           batch.weight_old_BxMxL)
   lengths = jnp.sum(batch.seqs.counted_BxL, axis=-1)
@@ -347,7 +352,7 @@ def behaviour_pass(model, ref_model, seqs, advantages_B, key, obj: Objective):
     ref_model = lora.with_adapters(model, ref_model)
   masks, logp_old, adversarial, entropy = behaviour_logp(model, seqs, key, obj)
   logp_ref = (likelihood.masked_logp(ref_model, seqs, masks.noised_BxMxL, staircase=obj.staircase,
-                                     block_size=obj.block_size)
+                                     block_size=obj.block_size, copies_per_pass=obj.copies_per_pass)
               if ref_model is not None else jnp.zeros_like(logp_old))
   batch = RLBatch(seqs, advantages_B, masks.noised_BxMxL, masks.weight_BxMxL, logp_old,
                   jax.lax.stop_gradient(logp_ref), adversarial)

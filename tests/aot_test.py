@@ -54,6 +54,9 @@ def test_lora_holds_moments_for_the_adapters_alone():
   # adapters with their moments (a few percent of n at rank 4).
   assert full["rl_step"]["arguments"] >= 3 * 4 * n
   assert 4 * n <= adapted["rl_step"]["arguments"] < 1.5 * 4 * n
+  c.model.param_dtype = "bfloat16"  # the frozen base in half the bytes, the adapters still float32
+  half = aot.check(c, devices, hbm_gib=1.0, programs=("rl_step",))
+  assert half["rl_step"]["arguments"] <= adapted["rl_step"]["arguments"] - 2 * n
 
 
 def test_unknown_topology_is_a_one_line_error():

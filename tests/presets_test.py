@@ -149,9 +149,67 @@ def test_8b_lora_is_the_8b_run_with_d1s_lora(family, tmp_path):
   from stabledrl_jax import run_record
   lora_run, full = _config(family, "8b_lora"), _config(family, "8b")
   changed = {k: b for k, a, b in run_record.changes(full.to_dict(), lora_run.to_dict())}
-  assert changed == D1_LORA
+  assert changed == {**D1_LORA, "model.param_dtype": "bfloat16"}  # a bf16 frozen base (d1: 4-bit)
   lora_run.model.checkpoint = str(tmp_path)
   lora_run.task.source_dir = str(tmp_path)
   config_lib.validate(lora_run)
   with pytest.raises(ValueError, match="preset '8b_lora' with family='dream'.*'7b'"):
     _config("dream", "8b_lora")
+
+
+# JustGRPO (arXiv 2601.15165; its code, LeapLabTHU/JustGRPO: train.py's TrainConfig and AdamW,
+# grpo.py, the README's GSM8K command), written here apart from the preset: what `8b_ar` changes
+# in the `8b` run.
+JUST_GRPO = {
+    "rl.objective": "grpo",            # plain GRPO, token-level PPO clip
+    "rl.ppo_epsilon": 0.2,             # logprob_loss eps
+    "rl.advantage": "mean_std",        # (r - mean) / (std + 1e-4)
+    "rl.scheme": "trajectory",         # one forward per decoded token: the AR likelihood
+    "rl.copies_per_pass": 1,           # one forward at a time (theirs: one backward per token)
+    "rl.updates_per_batch": 1,         # μ = 1 (ratio against the detached same-step log-probs)
+    "rl.prompts_per_step": 64,         # README: global batch 64 = 8 processes x grad_accum 8
+    "rl.accumulation": 8,              # grad_accum
+    "rl.steps": 125,                   # total_steps
+    "rl.lr": 5e-6,                     # learning_rate
+    "optim.b2": 0.999,                 # AdamW betas (0.9, 0.999)
+    "optim.weight_decay": 0.0,
+    "optim.grad_clip": 1.0,            # max_grad_norm
+    "optim.decay_steps": 10**6,        # a constant rate (no scheduler), as linear decay nears it
+    "sampler.order": "left_to_right",  # block_length 1: one token a step, in position order
+    "sampler.steps": 256,              # gen_steps = gen_length = 256
+    "sampler.temperature": 1.0,        # sample()'s default
+    "seed": 1234,
+}
+# The same as the `8b` run's already: G = 16 (8 generations x 2 repeats), no KL term, no warmup,
+# 256 tokens, s = 1, bf16 compute with whole-layer remat.
+JUST_GRPO_SAME = {"rl.group_size": 16, "rl.kl_coef": 0.0, "rl.warmup_steps": 0,
+                  "rl.trajectory_shrink": 1, "sampler.gen_length": 256, "optim.b1": 0.9,
+                  "model.compute_dtype": "bfloat16", "model.remat": True,
+                  "model.preset": "llada_8b", "task.name": "gsm8k", "task.chat": True}
+
+
+def test_8b_ar_is_the_8b_run_with_just_grpos_settings(tmp_path):
+  from stabledrl_jax import rl, run_record
+  ar_run, full = _config("llada", "8b_ar"), _config("llada", "8b")
+  changed = {k: b for k, a, b in run_record.changes(full.to_dict(), ar_run.to_dict())}
+  assert changed == JUST_GRPO
+  for key, value in JUST_GRPO_SAME.items():
+    assert _get(ar_run, key) == value, key
+  assert ar_run.sampler.steps == ar_run.sampler.gen_length  # LLaDA's left to right needs it
+  ar_run.model.checkpoint = str(tmp_path)
+  ar_run.task.source_dir = str(tmp_path)
+  config_lib.validate(ar_run)
+  obj = rl.Objective.from_config(ar_run)
+  assert (obj.name, obj.scheme, obj.trajectory_shrink) == ("grpo", "trajectory", 1)
+  assert obj.num_samples == ar_run.sampler.gen_length  # one forward per generated token
+  assert obj.epsilon == 0.2 and obj.kl_coef == 0.0
+  settings = rl.Settings.from_config(ar_run)  # the rollouts' sampler accepts it too
+  assert settings.sampling.order == "left_to_right"
+  assert "8b_ar" in config_lib.PRESETS
+
+
+@pytest.mark.parametrize("family", ["sdar", "dream"])
+def test_8b_ar_is_llada_only(family):
+  with pytest.raises(ValueError, match=f"^config preset '8b_ar' with family='{family}': ") as e:
+    _config(family, "8b_ar")
+  assert "\n" not in str(e.value)
