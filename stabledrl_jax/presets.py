@@ -165,8 +165,9 @@ def just_grpo(c: ml_collections.ConfigDict) -> None:
   (each token's term / gen_length / the mean count of non-zero advantages, padding tokens after
   the answer included; here the per-sequence mean over counted tokens). Its reported score
   decodes greedily in blocks of 32 in 256 steps by confidence, not left to right: evaluate with
-  --config.sampler.order=confidence for that figure. Not checked: its memory fit (the trajectory
-  likelihood forwards all J = 256 masked copies of a micro-batch's completions at once).
+  --config.sampler.order=confidence for that figure. Not checked: its memory fit ahead of time
+  (the RL step's passes are the `8b` preset's size; the sampler decodes all 1024 rollouts of a
+  step at once, 4x the `8b` preset's).
   """
   if c.family != "llada":
     raise ValueError(f"config preset '8b_ar' with family={c.family!r}: JustGRPO's published run "
@@ -175,7 +176,7 @@ def just_grpo(c: ml_collections.ConfigDict) -> None:
   c.rl.objective, c.rl.ppo_epsilon, c.rl.kl_coef, c.rl.advantage = "grpo", 0.2, 0.0, "mean_std"
   c.rl.scheme, c.rl.trajectory_shrink = "trajectory", 1
   # Its 256 forwards one at a time, each recomputed in the backward pass (JustGRPO runs one
-  # backward per position): a pass holds a micro-batch of 128 sequences, as the `8b` preset's.
+  # backward per position): a pass holds 128 rows (sequences x copies), as the `8b` preset's.
   c.rl.copies_per_pass = 1
   c.rl.group_size, c.rl.updates_per_batch = 16, 1
   c.rl.prompts_per_step, c.rl.accumulation, c.rl.steps = 64, 8, 125
