@@ -16,6 +16,10 @@ sampler's median over theirs. On randomly initialised weights no confidence reac
 threshold, so the threshold modes run their whole step budget here: their gain is a property of
 trained weights, not measured by this bench.
 
+`--lora-rank R` times each sampler on the model with LoRA adapters of rank R (the family's
+default targets) and with the same adapters merged into the kernels, interleaved: whether
+merging the adapters before the rollouts pays ("+merged" rows: speed-up over "+lora").
+
 Timing. Each sampler is compiled ahead of time (trace + lower + compile, reported as "compile s");
 the compiled program is then run `--runs` times, each to `jax.block_until_ready`, and the median
 is reported. The samplers' runs are interleaved (cache, no cache, LLaDA, cache, ...) so that each
@@ -43,7 +47,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from stabledrl_jax import models  # noqa: E402
-from stabledrl_jax import rollouts, samplers  # noqa: E402
+from stabledrl_jax import lora, rollouts, samplers  # noqa: E402
 
 SAMPLERS = ("llada", "sdar_cache", "sdar_nocache", "llada_prefix", "llada_dual", "llada_threshold",
             "llada_dual_threshold")
@@ -71,7 +75,8 @@ class Row:
   runs: int
   tokens_per_s: float
   cache_speedup: float | None  # sdar_cache: median(no cache) / median(cache); LLaDA fast
-                               # modes: median(llada) / median(mode)
+                               # modes: median(llada) / median(mode); "+merged" rows:
+                               # median(with adapters) / median(merged)
 
 
 def _config(preset: str, sampler: str, compute_dtype: str) -> models.ModelConfig:
@@ -124,8 +129,12 @@ def _check_full(rollout: rollouts.Rollout, gen_length: int, mask_id: int, what: 
 def measure(preset: str, *, batch: int, gen_length: int = 256, prompt_length: int = 64,
             runs: int = 2, llada_steps: int = 128, llada_block: int = 32, sdar_steps: int = 4,
             compute_dtype: str = "float32", which: tuple[str, ...] = SAMPLERS,
-            llada_threshold: float = 0.9, log: Callable[[str], None] = lambda s: None) -> list[Row]:
-  """Compiles and times each sampler in `which` on `preset`; returns one `Row` per sampler."""
+            llada_threshold: float = 0.9, lora_rank: int = 0,
+            log: Callable[[str], None] = lambda s: None) -> list[Row]:
+  """Compiles and times each sampler in `which` on `preset`; returns one `Row` per sampler.
+  `lora_rank` > 0: each sampler twice, on the model with LoRA adapters of that rank on the
+  family's default targets ("+lora") and with the same adapters merged into the kernels
+  ("+merged"): whether merging before the rollouts pays."""
   unknown = set(which) - set(SAMPLERS)
   if unknown:
     raise ValueError(f"unknown samplers {sorted(unknown)}; expected some of {SAMPLERS}")
@@ -133,55 +142,67 @@ def measure(preset: str, *, batch: int, gen_length: int = 256, prompt_length: in
     raise ValueError(f"runs must be >= 1, got {runs}")
   key = jax.random.PRNGKey(0)
   fns, compile_s, forwards, counts = {}, {}, {}, {}
+  variants = {}  # timed name -> (sampler, model)
   for name in which:
     cfg = _config(preset, name, compute_dtype)
     model = models.create(cfg, seed=0)
+    if lora_rank:
+      targets = lora.DEFAULT_TARGETS[cfg.family]
+      adapted = lora.apply(model, lora.LoraConfig(lora_rank, 2.0 * lora_rank, targets=targets))
+      variants[f"{name}+lora"] = (name, adapted)
+      variants[f"{name}+merged"] = (name, lora.merge(nnx.clone(adapted)))
+    else:
+      variants[name] = (name, model)
+  for name, (sampler, model) in variants.items():
+    cfg = model.config
     # Ids below the mask token and above the special ids; every prompt slot is real.
     prompt_BxP = jax.random.randint(jax.random.PRNGKey(1), (batch, prompt_length), 2,
                                     cfg.mask_token_id, dtype=jnp.int32)
     valid_BxP = jnp.ones((batch, prompt_length), bool)
-    sampling = _sampling(name, gen_length, llada_steps, llada_block, sdar_steps, llada_threshold,
+    sampling = _sampling(sampler, gen_length, llada_steps, llada_block, sdar_steps, llada_threshold,
                          cfg.block_size or 4)
     log(f"{preset}/{name}: compiling")
-    fns[name], compile_s[name] = _compile(name, model, prompt_BxP, valid_BxP, key, sampling)
+    fns[name], compile_s[name] = _compile(sampler, model, prompt_BxP, valid_BxP, key, sampling)
     log(f"{preset}/{name}: compiled in {compile_s[name]:.1f} s")
     rollout = fns[name]()
     steps = _check_full(rollout, gen_length, cfg.mask_token_id, f"{preset}/{name}")
     counts[name] = (int(rollout.forwards_B[0]), int(rollout.forward_tokens_B[0]))
-    if name in LLADA_FAST:
+    if sampler in LLADA_FAST:
       forwards[name] = f"{counts[name][0]} (variable length)"
-    elif name == "llada":
+    elif sampler == "llada":
       forwards[name] = f"{steps} x {prompt_length + gen_length} tok"
     else:
       bs = sampling.block_length
       layout = rollouts.sdar_layout(prompt_BxP, valid_BxP, gen_length, bs, cfg.mask_token_id)
       t, first_block, num_blocks = layout[0].shape[1], layout[5], layout[6]
-      if name == "sdar_cache":
+      if sampler == "sdar_cache":
         # No row stops, so every block from the first generated one gets a commit forward.
         forwards[name] = (f"{steps} x {bs} + {num_blocks - first_block} x {bs} commit "
                           f"+ {first_block * bs} prefill tok")
       else:
         forwards[name] = f"{steps} x {t} tok"
   # The run above is a warm-up (first execution: allocation, page faults), not timed.
-  times: dict[str, list[float]] = {name: [] for name in which}
+  times: dict[str, list[float]] = {name: [] for name in variants}
   for i in range(runs):
-    for name in which:
+    for name in variants:
       start = time.perf_counter()
       fns[name]()
       times[name].append(time.perf_counter() - start)
       log(f"{preset}/{name}: run {i + 1}/{runs} {times[name][-1]:.3f} s")
   median = {name: statistics.median(ts) for name, ts in times.items()}
   speedup = {}
-  if {"sdar_cache", "sdar_nocache"} <= set(which):
+  if {"sdar_cache", "sdar_nocache"} <= set(variants):
     speedup["sdar_cache"] = median["sdar_nocache"] / median["sdar_cache"]
-  if "llada" in which:
+  if "llada" in variants:
     speedup.update({name: median["llada"] / median[name] for name in which if name in LLADA_FAST})
+  speedup.update({f"{n}+merged": median[f"{n}+lora"] / median[f"{n}+merged"]
+                  for n in which if lora_rank})
   return [Row(preset=preset, sampler=name, batch=batch, gen_tokens=batch * gen_length,
               forwards=forwards[name], model_forwards=counts[name][0],
               forward_tokens=counts[name][1], compile_s=compile_s[name], run_s=median[name],
               runs=runs, tokens_per_s=batch * gen_length / median[name],
               cache_speedup=speedup.get(name))
-          for name in which]
+          for name in variants]
 
 
 def machine() -> str:
@@ -227,6 +248,8 @@ def main():
   parser.add_argument("--llada-block", type=int, default=32)
   parser.add_argument("--sdar-steps", type=int, default=4)
   parser.add_argument("--llada-threshold", type=float, default=0.9)
+  parser.add_argument("--lora-rank", type=int, default=0,
+                      help="> 0: each sampler with LoRA adapters of this rank and with them merged")
   parser.add_argument("--compute-dtype", default="float32",
                       help="float32 (default: faster than bfloat16 on CPU) or bfloat16")
   args = parser.parse_args()
@@ -242,7 +265,7 @@ def main():
                     runs=args.runs or DEFAULT_RUNS.get(preset, 2), llada_steps=args.llada_steps,
                     llada_block=args.llada_block, sdar_steps=args.sdar_steps,
                     compute_dtype=args.compute_dtype, which=tuple(args.samplers.split(",")),
-                    llada_threshold=args.llada_threshold,
+                    llada_threshold=args.llada_threshold, lora_rank=args.lora_rank,
                     log=lambda s: print(f"  {s}", file=sys.stderr, flush=True))
   print(table(rows))
   print(f"# total {time.perf_counter() - start:.0f} s; load average at the end "

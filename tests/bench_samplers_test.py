@@ -44,6 +44,15 @@ def test_measure_rows_are_well_formed():
   assert "jax" in bench.machine()
 
 
+def test_lora_rows_time_the_adapted_and_the_merged_model():
+  bench = _bench()
+  rows = bench.measure("tiny", batch=1, gen_length=8, prompt_length=4, runs=2, llada_steps=2,
+                       llada_block=8, which=("llada",), lora_rank=2)
+  assert [r.sampler for r in rows] == ["llada+lora", "llada+merged"]
+  assert rows[0].cache_speedup is None
+  assert np.isclose(rows[1].cache_speedup, rows[0].run_s / rows[1].run_s)
+
+
 def test_compiled_program_matches_the_public_call():
   """The AOT-compiled program the bench times computes what `sdar_generate` returns."""
   bench = _bench()
