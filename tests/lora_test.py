@@ -9,7 +9,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -701,11 +700,10 @@ def _tensors(directory: Path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,resume_at", [("sdar", 5)])  # mid-RL (SFT's resume: train_test)
-def test_a_resumed_lora_run_matches_an_uninterrupted_one_and_exports_both_ways(family, resume_at,
-                                                                                 tmp_path):
-  from tests.train_test import REPO, read_jsonl, run_main, strip_timing
-  config = f"configs/{family}.py:smoke"
+def test_a_killed_lora_run_resumes_as_an_uninterrupted_one_and_exports_both_ways(tmp_path):
+  from tests.train_test import (REPO, kill_once_written, main_cmd, read_jsonl, run_main,
+                                strip_timing)
+  config = "configs/sdar.py:smoke"
   out = run_main(config, tmp_path, *LORA_RUN)
   assert out.returncode == 0, out.stderr[-3000:]
   straight = strip_timing(read_jsonl(tmp_path / "metrics.jsonl"))
@@ -719,13 +717,15 @@ def test_a_resumed_lora_run_matches_an_uninterrupted_one_and_exports_both_ways(f
   merged, adapter = _tensors(tmp_path / "hf"), _tensors(tmp_path / "hf_adapter")
   assert merged and adapter and all(".lora_" in name for name in adapter)
 
-  for step in range(resume_at, 7):  # as if stopped after the checkpoint of step resume_at - 1
-    shutil.rmtree(tmp_path / "checkpoints" / str(step))
-  out = run_main(config, tmp_path, *LORA_RUN)
+  # The same run killed (SIGKILL) after its first RL step's checkpoint (SFT: steps 0-3), rerun.
+  killed = tmp_path / "killed"
+  kill_once_written(main_cmd(config, killed, *LORA_RUN), killed / "checkpoints" / "4")
+  assert read_jsonl(killed / "metrics.jsonl")[-1]["step"] < 6, "killed too late to test resumption"
+  out = run_main(config, killed, *LORA_RUN)
   assert out.returncode == 0, out.stderr[-3000:]
-  assert "resumed from" in out.stdout and f"step {resume_at}/7" in out.stdout
-  assert strip_timing(read_jsonl(tmp_path / "metrics.jsonl")) == straight
-  for want, got in ((merged, _tensors(tmp_path / "hf")), (adapter, _tensors(tmp_path / "hf_adapter"))):
+  assert "resumed from" in out.stdout
+  assert strip_timing(read_jsonl(killed / "metrics.jsonl")) == straight
+  for want, got in ((merged, _tensors(killed / "hf")), (adapter, _tensors(killed / "hf_adapter"))):
     assert set(got) == set(want)
     for name in want:
       np.testing.assert_array_equal(got[name], want[name], err_msg=name)

@@ -36,6 +36,19 @@ def run_main(config, workdir, *overrides, timeout=600):
                         text=True, timeout=timeout, env=env)
 
 
+def kill_once_written(cmd, path, timeout=300):
+  """Run `cmd` (a main command) until `path` (a checkpoint) exists, then SIGKILL it."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  deadline = time.time() + timeout
+  while not path.exists() and time.time() < deadline and proc.poll() is None:
+    time.sleep(0.05)
+  assert path.exists(), f"the run never wrote {path}"
+  os.kill(proc.pid, signal.SIGKILL)
+  proc.wait()
+
+
 def read_jsonl(path):
   return [json.loads(line) for line in open(path) if line.strip()]
 
@@ -71,16 +84,7 @@ def test_kill_9_then_rerun_resumes_and_matches_an_uninterrupted_run(tmp_path):
   assert out.returncode == 0, out.stderr[-3000:]
 
   killed = tmp_path / "killed"
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-  proc = subprocess.Popen(main_cmd(config, killed), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
-  first_ckpt = killed / "checkpoints" / "3"
-  deadline = time.time() + 300
-  while not first_ckpt.exists() and time.time() < deadline and proc.poll() is None:
-    time.sleep(0.05)
-  assert first_ckpt.exists(), "the run never wrote its first checkpoint"
-  os.kill(proc.pid, signal.SIGKILL)
-  proc.wait()
+  kill_once_written(main_cmd(config, killed), killed / "checkpoints" / "3")
   steps_before = [r["step"] for r in read_jsonl(killed / "metrics.jsonl")]
   assert steps_before[-1] < 11, "killed too late to test resumption"
 
