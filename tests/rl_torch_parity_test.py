@@ -314,3 +314,83 @@ def test_one_sft_step_matches_torch_autograd(family, scheme):
   _check_step(_named(model), t_loss, lambda clip: _project_step(
       model, lambda m: sft.sft_loss(m, seqs, key, scheme=scheme, staircase=staircase,
                                     block_size=BS)[0], clip))
+
+
+def _commit_steps(family, steps, seed):
+  """Random decoding steps per completion slot, as the samplers record them: LLaDA `steps` total,
+  each step committing C / steps slots anywhere; SDAR one slot a step within each block, the
+  blocks in order (its step counter runs on across blocks)."""
+  rng = np.random.default_rng(seed)
+  out = np.full((B, T), -1, np.int32)
+  for b in range(B):
+    if family == "llada":
+      out[b, P:] = rng.permutation(np.repeat(np.arange(steps), C // steps))
+    else:
+      for k in range(C // BS):
+        out[b, P + k * BS:P + (k + 1) * BS] = k * BS + rng.permutation(BS)
+  return out
+
+
+def _t_trajectory(commit_BxL, counted_BxL, family, forwards, shrink):
+  """TraceRL's likelihood from its definition: copy j holds the state after j·s decoding steps
+  (SDAR: of each block, counted from the block's first step), every slot committed later masked;
+  it scores the counted slots committed at steps [j·s, (j+1)·s). Noised `[B, J, L]` and the
+  weights J·scored, so that the ELBO's mean over copies is the sum over steps."""
+  noised = np.zeros((B, forwards, T), bool)
+  scored = np.zeros((B, forwards, T), bool)
+  for b in range(B):
+    step = commit_BxL[b].astype(np.int64)
+    if family == "sdar":
+      for k in range(C // BS):
+        sl = slice(P + k * BS, P + (k + 1) * BS)
+        step[sl] -= step[sl].min()
+    for j in range(forwards):
+      for i in range(P, T):
+        noised[b, j, i] = step[i] >= j * shrink
+        scored[b, j, i] = counted_BxL[b, i] and j * shrink <= step[i] < (j + 1) * shrink
+  return noised, forwards * scored.astype(np.float64)
+
+
+@pytest.mark.parametrize("family,scheme", [("llada", "complementary"), ("llada", "trajectory"),
+                                           ("sdar", "trajectory")])
+def test_one_stabledrl_update_with_complementary_or_trajectory_masks_matches_torch(family, scheme):
+  model, seqs = _model(family, seed=7), _seqs(seed=8)
+  old = _old_model(model, seed=9)
+  cfg, start = model.config, _named(model)
+  w_old = {k: _t(v) for k, v in _named(old).items()}
+  rewards = np.array([1, 0, 0, 1, 0, 1, 1, 0], np.float64)
+  adv = losses.group_advantages(jnp.asarray(rewards, jnp.float32), group_size=G)
+  steps, shrink = (6, 2) if family == "llada" else (BS, 2)  # SDAR: steps per block
+  forwards = -(-steps // shrink)
+  commit = _commit_steps(family, steps, seed=10)
+  seqs = seqs._replace(commit_step_BxL=jnp.asarray(commit))
+  obj = dataclasses.replace(
+      rl.Objective.from_config(config_lib.base_config(family)), name="stabledrl", group_size=G,
+      scheme=scheme, num_samples=forwards if scheme == "trajectory" else 2, coupling="coupled",
+      trajectory_shrink=shrink, p_mask_prompt=0.0, block_size=BS, staircase=family == "sdar",
+      epsilon=0.1 if scheme == "trajectory" else 0.02)  # a sum over the tokens, not a mean
+  key = jax.random.key(11)
+  masks, logp_old, _, _ = _behaviour(old, seqs, key, obj)
+  if scheme == "trajectory":
+    noised, weights = _t_trajectory(commit, np.asarray(seqs.counted_BxL), family, forwards, shrink)
+  else:  # a pair: the second copy masks exactly the completion slots the first left visible
+    noised, weights = np.asarray(masks.noised_BxMxL), np.asarray(masks.weight_BxMxL)
+    np.testing.assert_array_equal(noised[:, 0] ^ noised[:, 1], np.asarray(seqs.completion_BxL))
+  lp_old = _t_logp(w_old, cfg, family, seqs, noised)
+  np.testing.assert_allclose(logp_old, lp_old.numpy(), rtol=1e-4, atol=1e-4)  # same states
+  batch = rl.RLBatch(seqs, adv, masks.noised_BxMxL, masks.weight_BxMxL, logp_old,
+                     jnp.zeros_like(logp_old))
+  counted = np.asarray(seqs.counted_BxL)
+
+  def t_loss(w):
+    lp_new = _t_logp(w, cfg, family, seqs, noised)
+    return _t_loss("stabledrl", lp_new, lp_old, _t(weights), _t(weights), noised, noised,
+                   counted, rewards, obj)
+
+  _check_step(start, t_loss, lambda clip: _project_step(
+      model, lambda m: rl.policy_loss(m, batch, key, obj)[0], clip))
+  with torch.no_grad():  # the clip was active on some rows and not on others
+    lp_start = _t_logp({k: _t(v) for k, v in start.items()}, cfg, family, seqs, noised)
+  log_ratio = ((_t(weights) * (lp_start - lp_old)).sum(-1).mean(-1)).numpy()
+  outside = (log_ratio > np.log1p(obj.epsilon)) | (log_ratio < np.log(1 - obj.epsilon))
+  assert outside.any() and not outside.all(), log_ratio
