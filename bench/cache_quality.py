@@ -8,8 +8,8 @@ forwards and tokens forwarded per puzzle with the exact sampler and each cache /
 
 Each WORKDIR is a finished `configs/llada.py` run: its recorded config, its held-out examples
 (`eval.num_examples` of them, as the run's own evaluations) and its checkpoints at the last SFT
-step (`sft.steps - 1`) and the last step. Evaluation is `evaluate.evaluate` with `sampler.cache` and
-`sampler.threshold` set for each row.
+step (`metrics.sft_end`) and the last step. Evaluation is `evaluate.evaluate` with `sampler.cache`
+and `sampler.threshold` set for each row.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from stabledrl_jax import build, cli, evaluate, workdir_config  # noqa: E402
+from stabledrl_jax import build, cli, evaluate, metrics, workdir_config  # noqa: E402
 
 # (label, sampler.cache, sampler.threshold); threshold 0 = off.
 SETTINGS = (("exact", "none", 0.0), ("prefix", "prefix", 0.0), ("dual", "dual", 0.0),
@@ -60,7 +60,8 @@ def main() -> None:
   print("|---|---|---|---:|---:|---:|---:|---:|")
   for workdir in args.workdirs:
     c = workdir_config.get_config(workdir)
-    for tag, step in (("end of SFT", c.sft.steps - 1), ("after RL", c.sft.steps + c.rl.steps - 1)):
+    sft_end = metrics.sft_end(workdir) or c.sft.steps
+    for tag, step in (("end of SFT", sft_end - 1), ("after RL", sft_end + c.rl.steps - 1)):
       for r in evaluate_settings(workdir, step, batch_size=args.batch_size):
         print(f"| {os.path.basename(os.path.normpath(workdir))} | {tag} (step {step}) | "
               f"{r['label']} | {r['mean_reward']:.3f} | {r['accuracy']:.3f} | {r['forwards']:.1f} "

@@ -69,7 +69,7 @@ from flax import nnx  # noqa: E402
 from jax.flatten_util import ravel_pytree  # noqa: E402
 
 from stabledrl_jax import (build, checkpointing, cli, config_lib, estimators,  # noqa: E402
-                           likelihood, losses, rl, rollouts, samplers, workdir_config)
+                           likelihood, losses, metrics, rl, rollouts, samplers, workdir_config)
 from stabledrl_jax.tasks import pipeline  # noqa: E402
 
 FAMILIES = ("llada", "sdar")
@@ -77,8 +77,8 @@ LABELS = {"llada": "LLaDA", "sdar": "SDAR"}
 REFERENCE = {"llada": "random_t", "sdar": "block_t"}  # the family's SFT estimator (config_lib)
 REFERENCE_CHUNK = 8  # reference samples per gradient call: the reference is their mean
 TRAIN_HINT = ("train with `python -m stabledrl_jax.main --config=configs/{family}.py --workdir=DIR "
-              "--config.checkpoint.every=10 --config.checkpoint.keep=30`, which keeps every step "
-              "that is a multiple of 10, the SFT stage's last among them")
+              "--config.checkpoint.every=10 --config.checkpoint.keep=30`, which keeps the SFT "
+              "stage's last step (always checkpointed) and every 10th")
 
 
 # ----------------------------------------------------------------------------- estimators
@@ -268,7 +268,7 @@ def load_run(workdir: str) -> Policy:
     steps = sorted(ckpt.all_steps())
   finally:
     ckpt.close()
-  sft_step = c.sft.steps - 1
+  sft_step = (metrics.sft_end(workdir) or c.sft.steps) - 1
   if sft_step not in steps:
     raise cli.PolicyError(f"{workdir} keeps steps {steps}, not the SFT stage's last step "
                           f"{sft_step}: {TRAIN_HINT.format(family=c.family)}")

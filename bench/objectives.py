@@ -45,7 +45,7 @@ if BENCH not in sys.path:  # loaded by path (the tests): the sibling bench scrip
   sys.path.insert(0, BENCH)
 from stability import finished, read_jsonl, run_all  # noqa: E402  (bench/stability.py)
 
-from stabledrl_jax import config_lib  # noqa: E402
+from stabledrl_jax import config_lib, metrics  # noqa: E402
 
 LABELS = {"stabledrl": "StableDRL", "grpo": "GRPO (d1)", "espo": "ESPO", "spg_is": "SPG + plain IS",
           "stabledrl_spg": "StableDRL-SPG", "wd1": "wd1", "spg": "SPG"}
@@ -165,7 +165,7 @@ def started_from(rows: list[dict], evals: list[dict], sft_steps: int) -> str | N
   if not rows:
     return "no RL step recorded"
   if rows[0]["step"] != sft_steps:
-    return f"its first RL step is {rows[0]['step']}, not sft.steps={sft_steps}"
+    return f"its first RL step is {rows[0]['step']}, not the SFT run's end {sft_steps}"
   if not any(e["tag"] == "before RL" and e["step"] == sft_steps for e in evals):
     return f"no 'before RL' evaluation at step {sft_steps}"
   return None
@@ -346,15 +346,6 @@ def copy_checkpoints(sft: str, workdir: str) -> None:
   os.replace(dst + ".tmp", dst)
 
 
-def sft_steps(workdir: str) -> int | None:
-  """sft.steps of the run recorded in `workdir` (its config.json); None without a record."""
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    return json.load(f)["sft"]["steps"]
-
-
 def collect(runs: list[Run], root: str, sfts: dict[int, str]
             ) -> tuple[dict[tuple[str, str], list[dict]], list[str]]:
   """The summaries of the runs with RL steps, by (regime, objective), and the runs that did not
@@ -368,7 +359,7 @@ def collect(runs: list[Run], root: str, sfts: dict[int, str]
     results.setdefault((run.regime, run.variant), [])
     if not any(r.get("stage") == "rl" for r in rows):
       continue
-    sft = sft_steps(sfts[run.seed])
+    sft = metrics.sft_end(sfts[run.seed])
     why = "no SFT run recorded" if sft is None else started_from(rows, evals, sft)
     if why:
       problems.append(f"{workdir} did not start RL from {sfts[run.seed]}'s checkpoint: {why}")

@@ -48,7 +48,7 @@ def main() -> None:
       s = pending.pop(0)
       if "after RL" in read_evals(workdirs[s]):
         continue
-      slot = len(running)
+      slot = min(set(range(args.parallel)) - {r[3] for r in running.values()})
       cmd = [sys.executable, "-m", "stabledrl_jax.main", f"--config={args.config}",
              f"--workdir={workdirs[s]}", f"--config.seed={s}", *args.extra]
       if args.parallel > 1 and hasattr(os, "sched_setaffinity"):
@@ -57,8 +57,8 @@ def main() -> None:
       log = open(os.path.join(workdirs[s], "stdout.log"), "a")
       print(f"seed {s}: {' '.join(cmd)}", flush=True)
       running[s] = (subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT), log,
-                    time.time())
-    for s, (proc, log, t0) in list(running.items()):
+                    time.time(), slot)
+    for s, (proc, log, t0, _) in list(running.items()):
       if proc.poll() is not None:
         del running[s]
         log.close()

@@ -151,6 +151,7 @@ class Data:
   sft: Any        # grain iterators (checkpointed) of this process's rows of each global batch
   rl: Any
   test: list      # held-out examples (all of them, on every process)
+  validation: list  # sft.stop_at_accuracy's: the last sft.validation_examples training examples
   reward_fn: Any
   sft_rows: tuple[int, int]  # this process's rows [start, stop) of an SFT batch
   rl_rows: tuple[int, int]   # ... of the RL prompts of a step (each repeated group_size times)
@@ -207,5 +208,7 @@ def data(c: ml_collections.ConfigDict, tokenizer, workdir: str, mesh=None) -> Da
                                         seed=c.seed, rows=sft_rows, **common))
   rl_it = iter(pipeline.prompt_batches(t, train, tokenizer, batch_size=c.rl.prompts_per_step,
                                        seed=c.seed + 1, rows=rl_rows, **common))
+  validation = [train[i] for i in range(max(0, len(train) - c.sft.validation_examples), len(train))
+                ] if c.sft.stop_at_accuracy else []
   return Data(t, tokenizer, sft_it, rl_it, [test[i] for i in range(min(len(test), c.eval.num_examples))],
-              reward_fn, sft_rows, rl_rows)
+              validation, reward_fn, sft_rows, rl_rows)

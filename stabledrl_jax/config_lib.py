@@ -113,12 +113,19 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.task.checker = "number"         # jsonl: number | math | import path of a reward function
 
   c.sft = ml_collections.ConfigDict()
-  # Stopped at partial skill (README: What RL does in the main job); full attention learns slower.
-  c.sft.steps = 80 if family == "sdar" else 150
+  # At most; stopped at partial skill by sft.stop_at_accuracy (README: What RL does in the main
+  # job); full attention learns slower.
+  c.sft.steps = 200 if family == "sdar" else 300
   c.sft.batch_size = 64
   c.sft.lr = 1e-3
   c.sft.warmup_steps = 20 if family == "sdar" else 40
   c.sft.scheme = "block_t" if family == "sdar" else "random_t"
+  # > 0: stop SFT (sft.steps at most) at the first check whose greedy accuracy on the last
+  # sft.validation_examples training examples (never held-out ones) reaches this, one check every
+  # sft.check_every steps; 0: sft.steps steps
+  c.sft.stop_at_accuracy = 0.3
+  c.sft.check_every = 2
+  c.sft.validation_examples = 256
 
   c.rl = ml_collections.ConfigDict()
   c.rl.steps = 60
@@ -281,7 +288,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
     if c[key.split(".")[0]][key.split(".")[1]] < 0:
       bad(key, "must be >= 0")
   for key in ("checkpoint.every", "log_every", "eval.every", "eval.num_examples", "eval.batch_size",
-              "checkpoint.keep", "task.max_prompt_len"):
+              "checkpoint.keep", "task.max_prompt_len", "sft.check_every",
+              "sft.validation_examples"):
     stage, name = key.split(".") if "." in key else (None, key)
     if (c[stage][name] if stage else c[name]) < 1:
       bad(key, "must be >= 1")
@@ -289,6 +297,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
     stage, name = key.split(".")
     if not c[stage][name] > 0 or not math.isfinite(c[stage][name]):
       bad(key, "must be a finite number > 0")
+  if not 0 <= c.sft.stop_at_accuracy <= 1:
+    bad("sft.stop_at_accuracy", "an accuracy in (0, 1], or 0 for sft.steps steps")
   if c.task.source == "generated" and c.eval.num_examples > c.task.num_test:
     bad("eval.num_examples", f"exceeds task.num_test={c.task.num_test}, the held-out examples "
         "generated; raise task.num_test too")

@@ -57,6 +57,15 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in f if line.strip()]
 
 
+def sft_end(workdir: str) -> int | None:
+  """The run's first RL step (where its SFT stage ended: `sft.steps`, or earlier with
+  `sft.stop_at_accuracy`), from its metrics.jsonl; None without a record."""
+  rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  if not rows:
+    return None
+  return 1 + max((r["step"] for r in rows if r.get("stage") == "sft"), default=-1)
+
+
 def truncate_jsonl(path: str, last_step: int) -> None:
   """Drop records after `last_step`: a resumed run rewrites them exactly."""
   rows = [r for r in read_jsonl(path) if r["step"] <= last_step]

@@ -33,6 +33,7 @@ def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
     # of it: Sudoku's partial credit gives rewards after a few SFT steps, sorting's does not.
     c.task.name, c.task.num_train, c.task.max_prompt_len = "sudoku", 2000, 24
     c.sft.steps = 300 if c.family == "sdar" else 700  # full attention learns Sudoku more slowly
+    c.sft.stop_at_accuracy = 0.0
     c.rl.steps, c.rl.warmup_steps, c.eval.every = 40, 0, 10
     c.sampler.gen_length, c.sampler.steps = 20, 10
   if preset == "smoke":
@@ -52,7 +53,7 @@ def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
     c.model.remat = True
     c.task.name, c.task.source, c.task.source_dir = "gsm8k", "local", ""  # the user's data
     c.task.prompt_style, c.task.chat, c.task.max_prompt_len = "plain", True, 512
-    c.sft.steps = 0
+    c.sft.steps, c.sft.stop_at_accuracy = 0, 0.0
     c.rl.steps, c.rl.warmup_steps = 1000, 0
     c.task.num_train = 2000  # unused with local data; as before, so earlier 8b runs resume
     c.rl.lr, c.optim.decay_steps, c.optim.grad_clip = 2e-6, 2000, 0.2

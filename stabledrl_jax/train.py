@@ -4,8 +4,10 @@ checkpoints. `main.py` is the command-line face of `run`.
 
 One global step counter covers both stages (SFT steps first), 0-based in the console, in
 metrics.jsonl and in the checkpoints alike, so a checkpoint's step says where a resumed run
-continues. Every random draw of step `s` comes from `fold_in(key(seed), s)`, and the data
-iterators are checkpointed, so a resumed run repeats an uninterrupted one exactly.
+continues. SFT runs `sft.steps` steps, or fewer with `sft.stop_at_accuracy` (`sft_validation`);
+the checkpoints keep where it stopped, and RL's `rl.steps` follow. Every random draw of step `s`
+comes from `fold_in(key(seed), s)`, and the data iterators are checkpointed, so a resumed run
+repeats an uninterrupted one exactly.
 """
 from __future__ import annotations
 
@@ -46,10 +48,19 @@ class Run:
   writer: metrics.MetricsWriter | None = None
   ref_model: nnx.Module | nnx.State | None = None  # `reference_model`
   skipped: int = 0
+  sft_end: int = -1  # the first RL step: sft.steps, or where sft.stop_at_accuracy stopped SFT
+
+  def __post_init__(self):
+    if self.sft_end < 0:
+      self.sft_end = self.config.sft.steps
 
   @property
   def total(self) -> int:
-    return self.config.sft.steps + self.config.rl.steps
+    return self.sft_end + self.config.rl.steps
+
+  @property
+  def stage_ends(self) -> dict[str, int]:
+    return {"sft": self.sft_end, "rl": self.total}
 
 
 def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -61,7 +72,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   r = setup(c, workdir)
   step = resume(r)
   r.writer = metrics.MetricsWriter(workdir, total_steps=r.total, resume_step=step - 1 if step else None,
-                                   stage_ends={"sft": c.sft.steps, "rl": r.total})
+                                   stage_ends=r.stage_ends)
   try:
     while step < r.total:
       stopped = train_step(r, step)
@@ -121,6 +132,7 @@ def resume(r: Run) -> int:
   r.data.sft.set_state(meta["sft_iterator"])
   r.data.rl.set_state(meta["rl_iterator"])
   r.skipped = meta["skipped_updates"]
+  r.sft_end = meta.get("sft_end", r.config.sft.steps)
   r.monitor.load_state_dict(meta.get("monitor") or r.monitor.state_dict())
   r.controls.load_state_dict(meta.get("controls") or {})
   distributed.log(f"resumed from {r.ckpt.directory} at step {start + 1}/{r.total}")
@@ -130,17 +142,23 @@ def resume(r: Run) -> int:
 def train_step(r: Run, step: int) -> detectors.Event | None:
   """Step `step` (SFT or RL), its metrics, and the evaluation and checkpoint due after it; the
   event that stops the run, if any."""
-  c, sft_total = r.config, r.config.sft.steps
+  c = r.config
   key = jax.random.fold_in(jax.random.key(c.seed), step)
   t0 = time.time()
   stopped = None
-  if step < sft_total:
+  if step < r.sft_end:
     stage = "sft"
     result = sft.step(r.settings.sft, r.data, r.model, r.optimizer, key, step)
     record = result.record
-    if step == sft_total - 1:  # the stage ends: RL starts with a fresh optimiser
+    record.update(sft_validation(r, step))
+    if record.get("validation_accuracy", -1.0) >= c.sft.stop_at_accuracy > 0:
+      r.sft_end = step + 1
+      r.writer.total, r.writer.stage_ends = r.total, r.stage_ends
+    sft_ends = step == r.sft_end - 1
+    if sft_ends:  # checkpointed (the SFT policy); RL starts with a fresh optimiser
       r.optimizer = optim.stage_optimizer(r.model, c, "rl")
   else:
+    sft_ends = False
     stage = "rl"
     result, events = rl_step(r, step, key)
     record = result.record
@@ -152,24 +170,41 @@ def train_step(r: Run, step: int) -> detectors.Event | None:
   r.writer.write(step, record)
   if step % c.log_every == 0 or step == r.total - 1:
     r.writer.progress(step, stage, record)
-  rl_index = step - sft_total + 1
+  rl_index = step - r.sft_end + 1
   if stage == "rl" and rl_index % c.eval.every == 0 and step != r.total - 1:
     log_eval(r, step, f"after {rl_index} RL steps")
-  if (step + 1) % c.checkpoint.every == 0 or step == r.total - 1 or stopped:
-    save(r, step, "sft" if step < sft_total - 1 else "rl")
+  if (step + 1) % c.checkpoint.every == 0 or step == r.total - 1 or stopped or sft_ends:
+    save(r, step, "sft" if step < r.sft_end - 1 else "rl")
   return stopped
+
+
+def sft_validation(r: Run, step: int) -> dict[str, float]:
+  """`sft.stop_at_accuracy`'s check after SFT step `step`, when one is due: greedy accuracy and mean
+  reward on the validation examples (training examples, never held-out ones), for the step's
+  record. Greedy decoding of the same weights: a resumed run decides alike."""
+  c = r.config
+  if not c.sft.stop_at_accuracy or (step + 1) % c.sft.check_every or step == r.sft_end - 1:
+    return {}
+  result, _ = evaluate.evaluate(c, r.model, r.data.tokenizer, r.data.task, r.data.validation,
+                                rollout_mesh=r.rollout_mesh)
+  reached = result["accuracy"] >= c.sft.stop_at_accuracy
+  distributed.log(f"validation after {step + 1} SFT steps: accuracy {result['accuracy']:.3f} on "
+                  f"{result['num_examples']} training examples"
+                  f"{', SFT stops here' if reached else ''} (sft.stop_at_accuracy="
+                  f"{c.sft.stop_at_accuracy})")
+  return {"validation_accuracy": result["accuracy"], "validation_mean_reward": result["mean_reward"]}
 
 
 def rl_step(r: Run, step: int, key) -> tuple[metrics.StepResult, list[detectors.Event]]:
   """The RL step under the controls' ε and learning-rate factor, fed to the detectors."""
-  c, sft_total = r.config, r.config.sft.steps
-  if step == sft_total or (r.ref_model is None and c.rl.kl_coef):
-    if step == sft_total:
+  c, sft_end = r.config, r.sft_end
+  if step == sft_end or (r.ref_model is None and c.rl.kl_coef):
+    if step == sft_end:
       log_eval(r, step, "before RL")
     if c.rl.kl_coef:  # frozen RL-start weights, kept only with a KL term
       r.ref_model = reference_model(r.model, os.path.join(r.workdir, "reference"),
-                                    fresh=step == sft_total)
-  eps, lr_scale = r.controls.settings(step - sft_total)
+                                    fresh=step == sft_end)
+  eps, lr_scale = r.controls.settings(step - sft_end)
   moves = r.settings.controls.moves_epsilon
   result = rl.step(r.settings.rl, r.data, r.model, r.ref_model, r.optimizer, key,
                    eps if moves else None, lr_scale, r.rollout_mesh)
@@ -189,7 +224,7 @@ def save(r: Run, at: int, stage: str) -> None:
   r.writer.flush()  # a checkpoint never gets ahead of the metrics a resumed run keeps
   r.ckpt.save(at, r.model, r.optimizer, {
       "stage": stage, "sft_iterator": r.data.sft.get_state(), "rl_iterator": r.data.rl.get_state(),
-      "skipped_updates": r.skipped, "seed": r.config.seed, "monitor": r.monitor.state_dict(),
+      "skipped_updates": r.skipped, "sft_end": r.sft_end, "seed": r.config.seed, "monitor": r.monitor.state_dict(),
       "controls": r.controls.state_dict(),
       "rng_key": np.asarray(jax.random.key_data(jax.random.key(r.config.seed))).tolist()})
 

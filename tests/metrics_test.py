@@ -1,4 +1,5 @@
 """Tests for stabledrl_jax.metrics: the asynchronous writer."""
+import json
 import threading
 import time
 
@@ -62,3 +63,12 @@ def test_curve_panels_split_the_stages():
   assert panels["SFT loss"] == [(0, 4.5)] and panels["RL loss"] == [(1, 0.01)]
   assert panels["gradient norm"] == [(0, 1.0), (1, 0.2)]
   assert "SFT loss" not in dict(metrics.curve_panels(rows[1:], []))
+
+
+def test_sft_end_is_the_step_after_the_last_sft_record(tmp_path):
+  assert metrics.sft_end(str(tmp_path)) is None  # no record
+  rows = [{"step": i, "stage": "sft" if i < 4 else "rl"} for i in range(7)]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  assert metrics.sft_end(str(tmp_path)) == 4
+  (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "stage": "rl"}) + "\n")
+  assert metrics.sft_end(str(tmp_path)) == 0  # RL alone

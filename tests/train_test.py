@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from stabledrl_jax import build, config_lib, models, optim, rl, rollouts, sft, train
+from stabledrl_jax import (build, checkpointing, config_lib, evaluate, models, optim, rl, rollouts,
+                           sft, train)
 from stabledrl_jax.tasks import get_task, sudoku
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -77,39 +78,26 @@ def test_smoke_preset_trains_end_to_end(config, tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_9_then_rerun_resumes_and_matches_an_uninterrupted_run(tmp_path):
-  config = "configs/sdar.py:smoke"
+def test_kill_9_mid_rl_then_rerun_matches_an_uninterrupted_run_and_keeps_the_kl_reference(tmp_path):
+  # SIGKILL once step 7's checkpoint exists (RL: steps 6-11), rerun: it resumes at step 8. With a
+  # KL term the resumed steps match only if the reference is still the RL-start model, reloaded
+  # from disk, not the resumed one.
+  config, kl = "configs/sdar.py:smoke", ("--config.rl.objective=grpo", "--config.rl.kl_coef=0.5")
   straight = tmp_path / "straight"
-  out = run_main(config, straight)
+  out = run_main(config, straight, *kl)
   assert out.returncode == 0, out.stderr[-3000:]
+  want = strip_timing(read_jsonl(straight / "metrics.jsonl"))
+  assert any(abs(r.get("kl", 0.0)) > 0 for r in want[8:]), "the KL term never moved"
 
   killed = tmp_path / "killed"
-  kill_once_written(main_cmd(config, killed), killed / "checkpoints" / "3")
-  steps_before = [r["step"] for r in read_jsonl(killed / "metrics.jsonl")]
-  assert steps_before[-1] < 11, "killed too late to test resumption"
-
-  out = run_main(config, killed)
-  assert out.returncode == 0, out.stderr[-3000:]
-  assert "resumed from" in out.stdout
-  assert strip_timing(read_jsonl(killed / "metrics.jsonl")) == strip_timing(read_jsonl(straight / "metrics.jsonl"))
-  assert (strip_timing(read_jsonl(killed / "eval.jsonl"))[-1]
-          == strip_timing(read_jsonl(straight / "eval.jsonl"))[-1])
-
-
-@pytest.mark.slow
-def test_resume_keeps_the_rl_start_weights_as_the_kl_reference(tmp_path):
-  # Run to the end, drop the last checkpoint, rerun: it resumes mid-RL at step 8. With a KL term
-  # the resumed steps match only if the reference is still the RL-start model, not the resumed one.
-  kl = ("--config.rl.objective=grpo", "--config.rl.kl_coef=0.5")
-  out = run_main("configs/sdar.py:smoke", tmp_path, *kl)
-  assert out.returncode == 0, out.stderr[-3000:]
-  straight = strip_timing(read_jsonl(tmp_path / "metrics.jsonl"))
-  assert any(abs(r.get("kl", 0.0)) > 0 for r in straight[8:]), "the KL term never moved"
-  shutil.rmtree(tmp_path / "checkpoints" / "11")
-  out = run_main("configs/sdar.py:smoke", tmp_path, *kl)
+  kill_once_written(main_cmd(config, killed, *kl), killed / "checkpoints" / "7")
+  assert read_jsonl(killed / "metrics.jsonl")[-1]["step"] < 11, "killed too late to test resumption"
+  out = run_main(config, killed, *kl)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "resumed from" in out.stdout and "step 8/12" in out.stdout
-  assert strip_timing(read_jsonl(tmp_path / "metrics.jsonl")) == straight
+  assert strip_timing(read_jsonl(killed / "metrics.jsonl")) == want
+  assert (strip_timing(read_jsonl(killed / "eval.jsonl"))[-1]
+          == strip_timing(read_jsonl(straight / "eval.jsonl"))[-1])
 
 
 def _tiny_rl_setup(objective):
@@ -270,3 +258,42 @@ def test_sft_puzzles_can_be_easier_than_rl_and_evaluation_puzzles(tmp_path):
     config_lib.validate(c)
 
 
+
+
+@pytest.mark.slow
+def test_sft_stops_at_the_validation_accuracy_and_a_resumed_run_keeps_where(tmp_path, monkeypatch):
+  # The validation accuracies are scripted (0.25, then 0.5 against a target of 0.5): SFT stops
+  # after its 4th step of at most 20, RL's 6 steps follow it, and a rerun from a checkpoint taken
+  # after the stop repeats the uninterrupted run without validating again.
+  c = config_lib.base_config("sdar")
+  config_lib.apply_preset(c, "smoke")
+  c.model.n_layers, c.model.d_model, c.model.mlp_dim = 1, 32, 64
+  c.sft.steps, c.sft.stop_at_accuracy, c.sft.check_every, c.sft.validation_examples = 20, 0.5, 2, 8
+  config_lib.validate(c)
+  scripted, validated, real = iter([0.25, 0.5]), [], evaluate.evaluate
+
+  def scripted_evaluate(config, model, tokenizer, task, examples, **kw):
+    figures, rows = real(config, model, tokenizer, task, examples, **kw)
+    if len(examples) == c.sft.validation_examples:
+      validated.append(examples)
+      figures = {**figures, "accuracy": next(scripted)}
+    return figures, rows
+
+  monkeypatch.setattr(evaluate, "evaluate", scripted_evaluate)
+  train.run(c, str(tmp_path))
+  rows = read_jsonl(tmp_path / "metrics.jsonl")
+  assert [r["stage"] for r in rows] == ["sft"] * 4 + ["rl"] * 6
+  assert [r.get("validation_accuracy") for r in rows[:4]] == [None, 0.25, None, 0.5]
+  assert not any("validation_accuracy" in r for r in rows[4:])
+  train_grids = set(sudoku.split_solutions("train"))
+  assert len(validated) == 2 and all(ex["solution"] in train_grids for ex in validated[0])
+  evals = [(e["tag"], e["step"]) for e in read_jsonl(tmp_path / "eval.jsonl")]
+  assert evals[0] == ("before RL", 4) and evals[-1] == ("after RL", 9)
+  ckpt = checkpointing.Checkpointer(str(tmp_path / "checkpoints"))
+  assert sorted(ckpt.all_steps()) == [7, 9] and ckpt.read_meta(7)["sft_end"] == 4
+  ckpt.close()
+
+  shutil.rmtree(tmp_path / "checkpoints" / "9")
+  train.run(c, str(tmp_path))  # a validation now would find the script exhausted
+  assert strip_timing(read_jsonl(tmp_path / "metrics.jsonl")) == strip_timing(rows)
+  assert len(validated) == 2
