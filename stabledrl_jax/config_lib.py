@@ -298,7 +298,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
     if not c[stage][name] > 0 or not math.isfinite(c[stage][name]):
       bad(key, "must be a finite number > 0")
   if not 0 <= c.sft.stop_at_accuracy <= 1:
-    bad("sft.stop_at_accuracy", "an accuracy in (0, 1], or 0 for sft.steps steps")
+    bad("sft.stop_at_accuracy", "must be an accuracy in (0, 1], or 0 to run all sft.steps")
   if c.task.source == "generated" and c.eval.num_examples > c.task.num_test:
     bad("eval.num_examples", f"exceeds task.num_test={c.task.num_test}, the held-out examples "
         "generated; raise task.num_test too")

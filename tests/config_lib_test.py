@@ -57,3 +57,16 @@ def test_dream_takes_the_full_attention_defaults():
   assert "rl.scheme" in differ and "rl.p_mask_prompt" in differ
   for key in differ:
     assert dream[key] == llada[key], key
+
+
+@pytest.mark.parametrize("key,value,why", [
+    ("stop_at_accuracy", 1.5, r"must be an accuracy in \(0, 1\], or 0 to run all sft\.steps$"),
+    ("stop_at_accuracy", -0.1, r"must be an accuracy"),
+    ("check_every", 0, r"must be >= 1$"),
+    ("validation_examples", 0, r"must be >= 1$"),
+])
+def test_bad_sft_stop_settings_are_named(key, value, why):
+  c = config_lib.base_config("sdar")
+  c.sft[key] = value
+  with pytest.raises(ValueError, match=rf"^config\.sft\.{key}={value!r}: {why}"):
+    config_lib.validate(c)

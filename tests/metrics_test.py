@@ -1,4 +1,4 @@
-"""Tests for stabledrl_jax.metrics: the asynchronous writer."""
+"""Tests for stabledrl_jax.metrics: the asynchronous writer and the run record's readers."""
 import json
 import threading
 import time
