@@ -348,3 +348,12 @@ def test_llada_end_of_turn_is_found_after_the_assistant_message(tmp_path):
   ids = _tokenizer_dir(str(tmp_path), ["<|endoftext|>", "<|start_header_id|>",
                                        "<|end_header_id|>", "<|eot_id|>"], template)
   assert huggingface.stop_token_ids(str(tmp_path), {"eos_token_id": 5}) == (5, ids["<|eot_id|>"])
+
+
+def test_diffucoders_padding_token_ends_the_answer(tmp_path):
+  # DiffuCoder's examples split each generation at the first <|dlm_pad|>: it is a stop token
+  # where the tokenizer has it, and absent from the others' stop tokens (the test above).
+  ids = _tokenizer_dir(str(tmp_path), ["<|endoftext|>", "<|im_start|>", "<|im_end|>",
+                                       "<|dlm_pad|>"], CHATML)
+  got = huggingface.stop_token_ids(str(tmp_path), {"eos_token_id": ids["<|endoftext|>"]})
+  assert got == (ids["<|endoftext|>"], ids["<|im_end|>"], ids["<|dlm_pad|>"])

@@ -333,9 +333,15 @@ def end_of_turn_token(hf_dir: str) -> str | None:
   return max(found, key=len) if found else None
 
 
+# A diffusion padding token that ends the answer: DiffuCoder's tokenizer has it, and its released
+# examples cut each generation at the first one.
+DIFFUSION_PAD = "<|dlm_pad|>"
+
+
 def stop_token_ids(hf_dir: str, hf: dict) -> tuple[int, ...]:
-  """Generation stops at: config.json's eos, generation_config.json's eos list and the chat
-  template's end-of-turn token (looked up in the checkpoint's tokenizer)."""
+  """Generation stops at: config.json's eos, generation_config.json's eos list, the chat
+  template's end-of-turn token and `DIFFUSION_PAD` (both looked up in the checkpoint's tokenizer,
+  where it has them)."""
   ids = []
   for entry in (hf.get("eos_token_id"), _read_json(os.path.join(
       hf_dir, "generation_config.json")).get("eos_token_id")):
@@ -343,6 +349,7 @@ def stop_token_ids(hf_dir: str, hf: dict) -> tuple[int, ...]:
   eot = end_of_turn_token(hf_dir)
   if eot is not None:
     ids += [added_token_id(hf_dir, eot)]
+  ids += [added_token_id(hf_dir, DIFFUSION_PAD)]
   return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
