@@ -258,8 +258,6 @@ def test_sft_puzzles_can_be_easier_than_rl_and_evaluation_puzzles(tmp_path):
     config_lib.validate(c)
 
 
-
-
 @pytest.mark.slow
 def test_sft_stops_at_the_validation_accuracy_and_a_resumed_run_keeps_where(tmp_path, monkeypatch):
   # The validation accuracies are scripted (0.25, then 0.5 against a target of 0.5): SFT stops
