@@ -34,7 +34,7 @@ class SetupError(Exception):
 @dataclasses.dataclass
 class Run:
   """What the run loop works on; checkpointed: model, optimiser, data iterators, detectors,
-  controls and the skipped-update count."""
+  controls, the skipped-update count and where SFT ended."""
   config: ml_collections.ConfigDict
   settings: build.Settings
   workdir: str
@@ -44,15 +44,11 @@ class Run:
   monitor: detectors.StabilityMonitor
   controls: controls.StepControls
   ckpt: checkpointing.Checkpointer
+  sft_end: int  # the first RL step: sft.steps, or where sft.stop_at_accuracy stopped SFT
   optimizer: nnx.Optimizer | None = None
   writer: metrics.MetricsWriter | None = None
   ref_model: nnx.Module | nnx.State | None = None  # `reference_model`
   skipped: int = 0
-  sft_end: int = -1  # the first RL step: sft.steps, or where sft.stop_at_accuracy stopped SFT
-
-  def __post_init__(self):
-    if self.sft_end < 0:
-      self.sft_end = self.config.sft.steps
 
   @property
   def total(self) -> int:
@@ -117,7 +113,8 @@ def setup(c: ml_collections.ConfigDict, workdir: str) -> Run:
     distributed.log(f"warning: {warning}")
   return Run(c, s, workdir, data, model, rollout_mesh, detectors.StabilityMonitor(s.monitor),
              controls.StepControls(s.controls, total=c.rl.steps, epsilon=s.rl.objective.epsilon),
-             checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), keep=c.checkpoint.keep))
+             checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), keep=c.checkpoint.keep),
+             c.sft.steps)
 
 
 def resume(r: Run) -> int:
