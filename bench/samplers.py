@@ -9,12 +9,17 @@ the KV cache and once recomputing the whole prefix every step (`use_cache=False`
 fixed length of random ids and the stop id is -1, which no model can emit, so every row
 generates all `gen_length` tokens (checked on every run).
 
-LLaDA fast decoding (`llada_cached`, issue 19) adds `llada_prefix` and `llada_dual` (block-wise
+LLaDA fast decoding (`fast_decoding`, issue 19) adds `llada_prefix` and `llada_dual` (block-wise
 KV reuse, scheduled commits), `llada_threshold` (full forwards, confidence-threshold commits) and
 `llada_dual_threshold`, at `--llada-threshold` (0.9). Their speed-up column is the exact LLaDA
 sampler's median over theirs. On randomly initialised weights no confidence reaches a useful
 threshold, so the threshold modes run their whole step budget here: their gain is a property of
 trained weights, not measured by this bench.
+
+Dream (issue 30) runs a Dream-family copy of the preset (q/k/v biases, shifted logits) with
+LLaDA's steps: `dream` is its released sampler (`entropy`, no blocks), `dream_prefix` and
+`dream_dual` Fast-dLLM's Dream decoder with LLaDA's block, `dream_dual_threshold` the same with
+`alg=maskgit_plus` and the threshold; their speed-up column is over `dream`.
 
 `--lora-rank R` times each sampler on the model with LoRA adapters of rank R (the family's
 default targets) and with the same adapters merged into the kernels, interleaved: whether
@@ -50,10 +55,12 @@ from stabledrl_jax import models  # noqa: E402
 from stabledrl_jax import lora, rollouts, samplers  # noqa: E402
 
 SAMPLERS = ("llada", "sdar_cache", "sdar_nocache", "llada_prefix", "llada_dual", "llada_threshold",
-            "llada_dual_threshold")
-# The LLaDA fast modes: (cache, uses the threshold).
-LLADA_FAST = {"llada_prefix": ("prefix", False), "llada_dual": ("dual", False),
-              "llada_threshold": ("none", True), "llada_dual_threshold": ("dual", True)}
+            "llada_dual_threshold", "dream", "dream_prefix", "dream_dual", "dream_dual_threshold")
+# The fast modes of LLaDA and Dream: (cache, uses the threshold).
+FAST = {"prefix": ("prefix", False), "dual": ("dual", False), "threshold": ("none", True),
+        "dual_threshold": ("dual", True)}
+LLADA_FAST = {f"llada_{mode}": v for mode, v in FAST.items()}
+DREAM_FAST = {f"dream_{mode}": v for mode, v in FAST.items() if mode != "threshold"}
 # A stop id no model can emit: `jnp.isin` never matches it, so no row stops early.
 NEVER_STOP = (-1,)
 DEFAULT_BATCH = {"tiny": 8}  # other presets: 1 (the ~100M model on a small CPU)
@@ -80,15 +87,23 @@ class Row:
 
 
 def _config(preset: str, sampler: str, compute_dtype: str) -> models.ModelConfig:
-  if sampler.startswith("llada"):
-    # The LLaDA sampler only runs full attention; use a LLaDA-family copy of the same shapes.
-    return models.preset(preset, family="llada", qk_norm=False, block_size=None,
-                         compute_dtype=compute_dtype)
+  # The LLaDA and Dream samplers run full attention: a copy of the preset's shapes in their family.
+  for family in ("llada", "dream"):
+    if sampler.startswith(family):
+      return models.preset(preset, **models.family_options(family), compute_dtype=compute_dtype)
   return models.preset(preset, compute_dtype=compute_dtype)
 
 
 def _sampling(sampler: str, gen_length: int, llada_steps: int, llada_block: int,
               sdar_steps: int, llada_threshold: float = 0.9, block_size: int = 4):
+  if sampler.startswith("dream"):  # LLaDA's steps and block; the threshold needs maskgit_plus
+    cache, threshold = DREAM_FAST.get(sampler, ("none", False))
+    return rollouts.DreamSampling(gen_length=gen_length, steps=llada_steps,
+                                  alg="maskgit_plus" if threshold else "entropy", alg_temp=0.0,
+                                  eps=1e-3, temperature=0.0, top_k=0, top_p=1.0,
+                                  block_length=llada_block, cache=cache,
+                                  threshold=llada_threshold if threshold else 0.0,
+                                  stop_ids=NEVER_STOP)
   if sampler.startswith("llada"):
     cache, threshold = LLADA_FAST.get(sampler, ("none", False))
     return rollouts.LLaDASampling(gen_length=gen_length, block_length=llada_block,
@@ -105,9 +120,8 @@ def _sampling(sampler: str, gen_length: int, llada_steps: int, llada_block: int,
 def _compile(sampler: str, model, prompt_BxP, valid_BxP, key, sampling):
   """AOT-compiles the public sampler entry point; returns `(run(), compile seconds)`."""
   graphdef, state = nnx.split(model)
-  generate = samplers.llada_generate if sampler.startswith("llada") else samplers.sdar_generate
-
   def pure(state, prompt_BxP, valid_BxP, key):
+    generate = samplers.sampler_of(sampling)
     return generate(nnx.merge(graphdef, state), prompt_BxP, valid_BxP, key, sampling)
 
   start = time.perf_counter()
@@ -117,10 +131,12 @@ def _compile(sampler: str, model, prompt_BxP, valid_BxP, key, sampling):
 
 
 def _check_full(rollout: rollouts.Rollout, gen_length: int, mask_id: int, what: str) -> int:
-  """Every row generated all its tokens; returns the number of decoding steps taken."""
+  """Every row generated all its tokens; returns the number of decoding steps taken. (Dream's
+  samplers may decode the mask token, which random weights do: not counted against them.)"""
   lengths = np.asarray(rollout.lengths_B)
   completion = np.asarray(rollout.completion_BxC)
-  if not (lengths == gen_length).all() or (completion == mask_id).any():
+  if not (lengths == gen_length).all() or (
+      not what.split("/")[-1].startswith("dream") and (completion == mask_id).any()):
     raise RuntimeError(f"{what}: rows did not generate all {gen_length} tokens "
                        f"(lengths {lengths.tolist()})")
   return int(np.asarray(rollout.commit_step_BxL).max()) + 1
@@ -167,9 +183,9 @@ def measure(preset: str, *, batch: int, gen_length: int = 256, prompt_length: in
     rollout = fns[name]()
     steps = _check_full(rollout, gen_length, cfg.mask_token_id, f"{preset}/{name}")
     counts[name] = (int(rollout.forwards_B[0]), int(rollout.forward_tokens_B[0]))
-    if sampler in LLADA_FAST:
+    if sampler in LLADA_FAST or sampler in DREAM_FAST:
       forwards[name] = f"{counts[name][0]} (variable length)"
-    elif sampler == "llada":
+    elif sampler in ("llada", "dream"):
       forwards[name] = f"{steps} x {prompt_length + gen_length} tok"
     else:
       bs = sampling.block_length
@@ -193,8 +209,9 @@ def measure(preset: str, *, batch: int, gen_length: int = 256, prompt_length: in
   speedup = {}
   if {"sdar_cache", "sdar_nocache"} <= set(variants):
     speedup["sdar_cache"] = median["sdar_nocache"] / median["sdar_cache"]
-  if "llada" in variants:
-    speedup.update({name: median["llada"] / median[name] for name in which if name in LLADA_FAST})
+  for family, fast in (("llada", LLADA_FAST), ("dream", DREAM_FAST)):
+    if family in variants:
+      speedup.update({name: median[family] / median[name] for name in which if name in fast})
   speedup.update({f"{n}+merged": median[f"{n}+lora"] / median[f"{n}+merged"]
                   for n in which if lora_rank})
   return [Row(preset=preset, sampler=name, batch=batch, gen_tokens=batch * gen_length,

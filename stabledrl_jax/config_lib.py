@@ -181,7 +181,7 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.sampler.steps = 4 if family == "sdar" else 12
   # The family's block: LLaDA's semi-autoregressive decoding block; SDAR's diffusion block
   # (decoding, the likelihood's staircase, a new model's config); Dream's likelihood blocks
-  # (rl.scheme=block_random), its sampler has none.
+  # (rl.scheme=block_random) and its fast decoder's (its exact sampler has none).
   c.sampler.block_length = 4
   c.sampler.temperature = 0.7   # rollouts; evaluation is greedy
   c.sampler.remasking = "low_confidence"   # LLaDA: low_confidence | random
@@ -189,9 +189,10 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   # in position order; needs steps = gen_length for LLaDA, = block_length for SDAR)
   c.sampler.order = "confidence"
   c.sampler.strategy = "low_confidence_static"  # SDAR: or low_confidence_dynamic (threshold)
-  # Fast decoding, for rollouts (evaluation decodes exactly unless eval.fast). LLaDA: block-wise
-  # KV reuse none | prefix | dual; threshold: commit every masked token at least this confident
-  # (0 = off; SDAR: low_confidence_dynamic's, which needs it).
+  # Fast decoding, for rollouts (evaluation decodes exactly unless eval.fast). LLaDA, Dream
+  # (Fast-dLLM's algorithm, `fast_decoding`): block-wise KV reuse none | prefix | dual;
+  # threshold: commit every masked token at least this confident (0 = off; Dream: needs
+  # alg=maskgit_plus; SDAR: low_confidence_dynamic's, which needs it).
   c.sampler.cache = "none"
   c.sampler.threshold = 0.0
   c.sampler.top_k = 0           # SDAR, Dream: sample among the k most likely tokens (0 = all)

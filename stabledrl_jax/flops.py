@@ -40,7 +40,8 @@ class StepShape:
   samples: int
   updates: int
   sampler_steps: int
-  block: int              # LLaDA: sampler block length; SDAR: the diffusion block size
+  block: int              # the sampler's `head_slots` (LLaDA, SDAR: its block; Dream: the
+                          # generated region, or the fast decoder's block)
   staircase: bool         # SDAR: the likelihood runs on [x_t ; x_0] (twice the length)
   reference: bool = False  # a KL reference model adds one more likelihood forward
   # LLaDA: the sampler's own counts per row (`Rollout.forwards_B`, `forward_tokens_B`), which
@@ -52,9 +53,9 @@ class StepShape:
 def rl_step_flops(cfg: ModelConfig, s: StepShape) -> dict[str, float]:
   """`rollout`, `likelihood` (behaviour policy, and reference) and `update` FLOPs of one RL step.
 
-  Rollout, LLaDA: `forwards` forwards (default `sampler_steps`) of `forward_tokens` tokens in all
-  (default `total` each), every token attending to the whole sequence (a cached forward's keys are
-  the cache and its own), the head on the current block (`block` positions) only. SDAR (KV cache):
+  Rollout, LLaDA and Dream: `forwards` forwards (default `sampler_steps`) of `forward_tokens`
+  tokens in all (default `total` each), every token attending to the whole sequence (a cached
+  forward's keys are the cache and its own), the head on `block` positions only. SDAR (KV cache):
   per completion block up to `sampler_steps` forwards of the block plus one that commits it, each
   attending to the prefix, after one prefill of the prompt. `sampler_steps` is an upper bound
   for early-stopping strategies.

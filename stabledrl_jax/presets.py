@@ -203,7 +203,11 @@ def dream_7b(c: ml_collections.ConfigDict) -> None:
   c.sampler.gen_length, c.sampler.steps = 256, 256
   c.sampler.temperature, c.sampler.top_p, c.sampler.top_k = 1.0, 0.95, 0
   c.sampler.alg, c.sampler.alg_temp, c.sampler.eps = "entropy", 0.0, 1e-3
-  c.sampler.block_length = 32  # the likelihood's blocks (rl.scheme=block_random), as LLaDA's 8b
+  # The likelihood's blocks (rl.scheme=block_random), as LLaDA's 8b, and the fast decoder's:
+  # Fast-dLLM's Dream settings (NVlabs/Fast-dLLM dream/eval_gsm8k.sh: blocks of 32, threshold 0.9,
+  # dual cache) are --config.sampler.cache=dual --config.sampler.threshold=0.9
+  # --config.sampler.alg=maskgit_plus (its loop ignores the steps; here 256 never bind).
+  c.sampler.block_length = 32
   # DiffuCoder: num_generations 10, num_iterations 2 (μ), 8 processes x per-device batch 5 x
   # gradient_accumulation_steps 2 = 80 completions (8 prompts) per optimiser step.
   c.rl.group_size, c.rl.updates_per_batch = 10, 2

@@ -561,7 +561,7 @@ def step(s: Settings, data, model, ref_model, optimizer, key, clip_epsilon: floa
       rows=rl_batch.seqs.tokens_BxL.shape[0], prompt=ids.shape[1], gen=s.sampling.gen_length,
       total=length, samples=obj.num_samples, updates=s.updates_per_batch,
       sampler_steps=s.sampling.steps, staircase=obj.staircase, reference=ref_model is not None,
-      block=obj.block_size,
+      block=s.sampling.head_slots,
       forwards=rollout_log["rollout_forwards"], forward_tokens=rollout_log["rollout_forward_tokens"])
   step_flops = flops.rl_step_flops(model.config, shape)
   if sampled is None:

@@ -37,7 +37,7 @@ def _check(ok: bool, key: str, value, why: str) -> None:
 class LLaDASampling:
   """LLaDA semi-autoregressive decoding (docs/method.md §5). The fields are `config.sampler`'s
   keys and have no defaults of their own: build it with every field or with `from_config`.
-  `cache` or a `threshold` selects the approximate fast decoder (`llada_cached`)."""
+  `cache` or a `threshold` selects the approximate fast decoder (`fast_decoding`)."""
   gen_length: int
   block_length: int
   steps: int
@@ -93,6 +93,11 @@ class LLaDASampling:
 
   def exact(self) -> LLaDASampling:
     return dataclasses.replace(self, cache="none", threshold=0.0)
+
+  @property
+  def head_slots(self) -> int:
+    """Slots a decoding forward runs the vocabulary head on (the current block)."""
+    return self.block_length
 
   @property
   def label(self) -> str:
@@ -165,6 +170,11 @@ class SDARSampling:
     return dataclasses.replace(self, strategy="low_confidence_static", threshold=0.0)
 
   @property
+  def head_slots(self) -> int:
+    """Slots a decoding forward runs the vocabulary head on (the current block)."""
+    return self.block_length
+
+  @property
   def label(self) -> str:
     if self.fast:
       return f"sdar {self.strategy} threshold={self.threshold}"
@@ -176,6 +186,8 @@ class DreamSampling:
   """Dream's `diffusion_generate` (docs/method.md §5): `steps` full forwards over the whole
   generated region, step i committing the fraction `1 - s/t` of the masked slots (t, s: timesteps
   i, i + 1 of `linspace(1, eps, steps + 1)`; the last step commits the rest), chosen by `alg`.
+  `cache` or a `threshold` selects Fast-dLLM's Dream decoder instead (`fast_decoding`: blocks of
+  `block_length`, approximate), which the exact sampler's `block_length` does not affect.
   The fields are `config.sampler`'s keys and have no defaults of their own: build it with every
   field or with `from_config`."""
   gen_length: int
@@ -186,6 +198,9 @@ class DreamSampling:
   temperature: float
   top_k: int         # 0 = all tokens
   top_p: float       # 1 = all tokens
+  block_length: int  # the fast decoder's blocks
+  cache: str         # none | prefix | dual
+  threshold: float   # commit every masked token of the block at least this probable; 0 = off
   stop_ids: tuple[int, ...] = ()  # () = the model config's stop tokens
   pad_id: int | None = None       # None = the model config's pad (else eos) token
 
@@ -202,32 +217,56 @@ class DreamSampling:
     _check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
     _check(self.top_k >= 0, "top_k", self.top_k, "must be >= 0 (0 = all tokens)")
     _check(0 < self.top_p <= 1, "top_p", self.top_p, "must lie in (0, 1]")
+    _check(self.cache in ("none", "prefix", "dual"), "cache", self.cache,
+           "expected none, prefix or dual")
+    _check(0 <= self.threshold <= 1, "threshold", self.threshold, "must lie in [0, 1] (0 = off)")
+    if not self.fast:
+      return
+    _check(self.block_length >= 1 and self.gen_length % self.block_length == 0, "block_length",
+           self.block_length, f"must divide sampler.gen_length={self.gen_length}")
+    blocks = self.gen_length // self.block_length
+    _check(self.steps >= 2 * blocks and self.steps % blocks == 0, "steps", self.steps,
+           f"Dream's fast decoder needs a multiple of the number of blocks ({blocks} = gen_length "
+           "/ block_length) with at least 2 steps a block (the first commits only the block's "
+           "first slot)")
+    if self.threshold:
+      _check(self.alg == "maskgit_plus", "alg", self.alg,
+             "the threshold compares x̂'s probability, which is maskgit_plus's confidence "
+             "(Fast-dLLM's confidence_threshold): set sampler.alg=maskgit_plus")
+      _check(not self.alg_temp, "alg_temp", self.alg_temp,
+             "threshold decoding commits the most probable tokens, not a draw (set 0)")
 
   @classmethod
   def from_config(cls, sampler: ml_collections.ConfigDict, temperature: float) -> DreamSampling:
-    _check(sampler.cache == "none", "cache", sampler.cache,
-           "the block-wise cache is LLaDA's; the Dream sampler has none (set none)")
-    _check(not sampler.threshold, "threshold", sampler.threshold,
-           "the Dream sampler has no threshold decoding (set 0)")
     _check(not sampler.cfg_scale, "cfg_scale", sampler.cfg_scale,
            "the Dream sampler has no classifier-free guidance (set 0)")
     _check(sampler.order == "confidence", "order", sampler.order,
            "the Dream sampler's order is sampler.alg's (set confidence)")
     return cls(gen_length=sampler.gen_length, steps=sampler.steps, alg=sampler.alg,
                alg_temp=sampler.alg_temp, eps=sampler.eps, temperature=temperature,
-               top_k=sampler.top_k, top_p=sampler.top_p)
+               top_k=sampler.top_k, top_p=sampler.top_p, block_length=sampler.block_length,
+               cache=sampler.cache, threshold=sampler.threshold)
 
   @property
   def fast(self) -> bool:
-    """Dream has no approximate decoder: its decoding is always the released algorithm."""
-    return False
+    """Whether decoding is Fast-dLLM's approximate Dream decoder (not the released sampler)."""
+    return self.cache != "none" or self.threshold > 0
 
   def exact(self) -> DreamSampling:
-    return self
+    return dataclasses.replace(self, cache="none", threshold=0.0)
+
+  @property
+  def head_slots(self) -> int:
+    """Slots a decoding forward runs the vocabulary head on: the whole generated region, or the
+    fast decoder's block."""
+    return self.block_length if self.fast else self.gen_length
 
   @property
   def label(self) -> str:
-    return f"dream {self.alg}" + (f" alg_temp={self.alg_temp}" if self.alg_temp else "")
+    alg = f"dream {self.alg}" + (f" alg_temp={self.alg_temp}" if self.alg_temp else "")
+    if not self.fast:
+      return alg
+    return f"{alg} block={self.block_length} cache={self.cache} threshold={self.threshold}"
 
 
 SAMPLINGS = {"llada": LLaDASampling, "sdar": SDARSampling, "dream": DreamSampling}

@@ -5,8 +5,8 @@ All compile to one jitted program per shape: every loop is `lax` control flow ov
 shapes, so no step goes back to the host. docs/method.md §5 is the reference algorithm.
 
 The layouts, the settings and the `Rollout` they return are `rollouts`'. `generate` is the one
-entry point: it picks the family's sampler (LLaDA's fast decoder in `llada_cached` when the
-settings ask for it) and places the batch on the model's mesh.
+entry point: it picks the family's sampler (the fast decoder of `fast_decoding` when LLaDA's or
+Dream's settings ask for it) and places the batch on the model's mesh.
 
 LLaDA and SDAR never choose the mask token (its logit is set to -inf before the choice). Dream's
 released sampler does not exclude it: a slot that draws it stays masked and is drawn again.
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from stabledrl_jax import decoding, llada_cached, rollouts, sharding
+from stabledrl_jax import decoding, fast_decoding, rollouts, sharding
 from stabledrl_jax.rollouts import DreamSampling, LLaDASampling, Rollout, SDARSampling
 
 Array = jax.Array
@@ -96,10 +96,10 @@ def llada_generate(model: nnx.Module, prompt_BxP: Array, prompt_valid_BxP: Array
   step).
 
   With `cache` other than `none` or a `threshold` (`sampling.fast`), decoding is the approximate
-  fast algorithm of `llada_cached` instead (not the model's exact sampling distribution).
+  fast algorithm of `fast_decoding` instead (not the model's exact sampling distribution).
   """
   if sampling.fast:
-    return llada_cached.generate(model, prompt_BxP, prompt_valid_BxP, key, sampling)
+    return fast_decoding.generate(model, prompt_BxP, prompt_valid_BxP, key, sampling)
   return _llada_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling)
 
 
@@ -289,7 +289,12 @@ def dream_generate(model: nnx.Module, prompt_BxP: Array, prompt_valid_BxP: Array
   The released code counts `m` over the batch (the mean number of masked slots per row); here
   it is each row's own, which is the same while no row has committed a mask token (and the
   released rule, with unequal rows, could write a mask over a decoded token).
+
+  With a `cache` or a `threshold` (`sampling.fast`), decoding is Fast-dLLM's approximate Dream
+  decoder of `fast_decoding` instead (blocks of `block_length`).
   """
+  if sampling.fast:
+    return fast_decoding.generate(model, prompt_BxP, prompt_valid_BxP, key, sampling)
   return _dream_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling)
 
 

@@ -30,7 +30,8 @@ def test_measure_rows_are_well_formed():
     assert r.preset == "tiny" and r.batch == 2 and r.gen_tokens == 16 and r.runs == 2
     assert r.compile_s > 0 and r.run_s > 0 and r.tokens_per_s > 0
     assert np.isclose(r.tokens_per_s, r.gen_tokens / r.run_s)
-    assert (r.cache_speedup is not None) == (r.sampler == "sdar_cache" or r.sampler in bench.LLADA_FAST)
+    assert (r.cache_speedup is not None) == (r.sampler == "sdar_cache" or r.sampler in
+                                             {**bench.LLADA_FAST, **bench.DREAM_FAST})
     assert r.model_forwards > 0 and r.forward_tokens > 0
   speedup = rows[1].cache_speedup
   assert speedup > 0 and np.isclose(speedup, rows[2].run_s / rows[1].run_s)
@@ -41,6 +42,8 @@ def test_measure_rows_are_well_formed():
   assert by_name["llada"].forward_tokens == 4 * (6 + 8)  # 4 full forwards
   # One block: a full forward, then 3 forwards of the block (which is also all that follows it).
   assert by_name["llada_dual"].forward_tokens == by_name["llada_prefix"].forward_tokens == 14 + 3 * 8
+  assert by_name["dream"].forward_tokens == 4 * 14
+  assert by_name["dream_dual"].forward_tokens <= 14 + 3 * 8
   assert "jax" in bench.machine()
 
 

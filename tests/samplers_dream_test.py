@@ -61,6 +61,24 @@ def most(scores, eligible, k):
   return chosen & eligible
 
 
+def choose_slots(logits_GxV, u_GxV, *, alg, temperature, top_k, top_p):
+  """Dream's `sample_tokens` for one row's slots: (x̂, confidence) per slot."""
+  x0 = np.zeros(len(logits_GxV), np.int64)
+  conf = np.zeros(len(logits_GxV))
+  for j, logits in enumerate(logits_GxV):
+    lj = filtered(logits / temperature if temperature > 0 else logits, top_k, top_p)
+    probs = np_softmax(lj)
+    x0[j] = (lj - np.log(-np.log(u_GxV[j]))).argmax() if temperature > 0 else lj.argmax()
+    if alg == "topk_margin":
+      top = np.sort(probs)[::-1]
+      conf[j] = top[0] - top[1]
+    elif alg == "entropy":
+      conf[j] = np.sum(probs * np.log(probs + 1e-10))
+    else:
+      conf[j] = probs[x0[j]]
+  return x0, conf
+
+
 @nnx.jit
 def forward(model, ids, positions, valid):
   return model.logits(ids, attention="full", positions=positions, valid_BxL=valid)
@@ -82,19 +100,8 @@ def dream_reference(model, ids, valid, key, *, gen_length, steps, alg, alg_temp=
     for r in range(b):
       gen = x[r, p:]
       masked = gen == MASK
-      x0 = np.zeros(gen_length, np.int64)
-      conf = np.zeros(gen_length)
-      for j in range(gen_length):
-        lj = filtered(logits[r, j] / temperature if temperature > 0 else logits[r, j], top_k, top_p)
-        probs = np_softmax(lj)
-        x0[j] = (lj - np.log(-np.log(u_choice[r, j]))).argmax() if temperature > 0 else lj.argmax()
-        if alg == "topk_margin":
-          top = np.sort(probs)[::-1]
-          conf[j] = top[0] - top[1]
-        elif alg == "entropy":
-          conf[j] = np.sum(probs * np.log(probs + 1e-10))
-        else:
-          conf[j] = probs[x0[j]]
+      x0, conf = choose_slots(logits[r], u_choice[r], alg=alg, temperature=temperature,
+                              top_k=top_k, top_p=top_p)
       if alg == "origin":
         commit = masked & (u_slot[r, :, 0] < (1 - s / t if i < steps - 1 else 1.0))
       else:
@@ -268,13 +275,14 @@ def test_the_config_picks_dream_sampling_and_bad_values_are_named():
   s = rollouts.sampling_from_config(c, 0.5)
   assert isinstance(s, rollouts.DreamSampling) and samplers.sampler_of(s) is samplers.dream_generate
   assert (s.alg, s.alg_temp, s.eps, s.temperature, s.steps) == ("entropy", 0.0, 1e-3, 0.5, 12)
-  assert not s.fast and s.exact() is s and s.label == "dream entropy"
+  assert not s.fast and s.exact() == s and s.label == "dream entropy"
+  assert s.head_slots == s.gen_length == 12
   assert dataclasses.replace(s, alg_temp=0.3).label == "dream entropy alg_temp=0.3"
   for key, value, match in [("alg", "low_confidence", "sampler.alg='low_confidence': expected"),
                             ("alg_temp", -1.0, "sampler.alg_temp=-1.0"),
                             ("eps", 0.0, "sampler.eps=0.0"), ("top_p", 0.0, "sampler.top_p=0.0"),
-                            ("cache", "dual", "sampler.cache='dual'"),
-                            ("threshold", 0.9, "sampler.threshold=0.9"),
+                            ("cache", "bogus", "sampler.cache='bogus'"),
+                            ("threshold", 1.5, "sampler.threshold=1.5"),
                             ("cfg_scale", 1.0, "sampler.cfg_scale=1.0")]:
     bad = config_lib.base_config("dream")
     bad.sampler[key] = value

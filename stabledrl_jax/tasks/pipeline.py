@@ -98,7 +98,9 @@ def encode_prompts(
   for b, example in enumerate(examples):
     text = prompt_text(task, example, style=style, chat_tokenizer=tokenizer if chat else None)
     ids = tokenizer.encode(text)
-    # Chat templates write their own bos.
+    # Chat templates write their own bos. A raw prompt gets the tokenizer's bos, if it has one:
+    # LLaDA's and Dream's raw-prompt evaluations prepend it (Fast-dLLM's Dream GSM8K commands set
+    # add_bos_token=true, which prepends `tokenizer.bos_token`).
     if add_bos and not chat and tokenizer.bos_id >= 0:
       ids = [tokenizer.bos_id, *ids]
     if len(ids) > max_prompt_len:

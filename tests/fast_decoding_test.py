@@ -1,9 +1,13 @@
-"""Cached / threshold LLaDA decoding against a float64 NumPy loop of the Fast-dLLM algorithm.
+"""Cached / threshold decoding (`fast_decoding`) of LLaDA and Dream against float64 NumPy loops
+of the Fast-dLLM algorithm and of its Dream variant.
 
-The reference is written here from the definition: its own forward (RMSNorm, RoPE at each row's
-positions, GQA attention, SwiGLU), a KV cache stored per slot, the prefix cache cut at the block
-start, the dual cache updated in place at the block's slots, and Fast-dLLM's commit rule (the
-most confident token, plus every token at or above the threshold).
+The references are written here from the definitions: their own forward (RMSNorm, RoPE at each
+row's positions, GQA attention with Dream's q/k/v biases, SwiGLU), a KV cache stored per slot, the
+prefix cache cut at the block start, the dual cache updated in place at the block's slots, and
+Fast-dLLM's commit rules: LLaDA's (the most confident token, plus every token at or above the
+threshold); Dream's (logits shifted within each forwarded span, the block's first slot committed
+by its full forward, then the threshold rule on x̂'s probability or Dream's own step on the block
+with timesteps `linspace(1, eps, steps per block + 1)`).
 """
 import dataclasses
 import time
@@ -15,6 +19,8 @@ import pytest
 from flax import nnx
 
 from stabledrl_jax import build, config_lib, models, rollouts, samplers
+from tests import samplers_test
+from tests.samplers_dream_test import choose_slots, most
 from tests.samplers_test import left_pad
 
 MASK = 127
@@ -63,9 +69,13 @@ def np_forward(model, ids_BxN, pos_BxN, attend):
   for layer, blk in enumerate(model.blocks):
     a = blk.attn
     y = norm(x, blk.attn_norm.scale[...])
-    q = rope((y @ _np(a.q_proj.kernel[...])).reshape(b, n, cfg.n_heads, cfg.head_dim))
-    k = rope((y @ _np(a.k_proj.kernel[...])).reshape(b, n, cfg.n_kv_heads, cfg.head_dim))
-    v = (y @ _np(a.v_proj.kernel[...])).reshape(b, n, cfg.n_kv_heads, cfg.head_dim)
+
+    def proj(lin):  # Dream's q/k/v carry biases
+      return y @ _np(lin.kernel[...]) + (0.0 if lin.bias is None else _np(lin.bias[...]))
+
+    q = rope(proj(a.q_proj).reshape(b, n, cfg.n_heads, cfg.head_dim))
+    k = rope(proj(a.k_proj).reshape(b, n, cfg.n_kv_heads, cfg.head_dim))
+    v = proj(a.v_proj).reshape(b, n, cfg.n_kv_heads, cfg.head_dim)
     kvs.append((k, v))
     keys, values, ok = attend(layer, k, v)
     g = cfg.n_heads // cfg.n_kv_heads
@@ -306,3 +316,185 @@ def test_cached_decoding_runs_sharded_over_the_batch(model):
                     for args in ((ids, valid), jax.device_put((ids, valid), over_rows)))
   np.testing.assert_array_equal(sharded.tokens_BxL, plain.tokens_BxL)
   np.testing.assert_array_equal(sharded.forwards_B, plain.forwards_B)
+
+
+# ----------------------------------------------------------------------------- Dream
+
+
+def _dream(n_layers=2, seed=5, sharpen=1.0):
+  m = models.create(models.tiny(**models.family_options("dream"), n_kv_heads=2,
+                                n_layers=n_layers), seed=seed)
+  if sharpen != 1.0:
+    m.head.kernel[...] = m.head.kernel[...] * sharpen
+  return m
+
+
+@pytest.fixture(scope="module")
+def dream():
+  return _dream(sharpen=30.0)  # peaked: confidences reach a threshold of 0.3
+
+
+def _shifted(logits):
+  """Dream's sampler: the logits of slot i are the forward's output at slot i - 1; the first slot
+  of a forward keeps its own."""
+  return np.concatenate([logits[:, :1], logits[:, :-1]], axis=1)
+
+
+def fast_dllm_dream_reference(model, ids, valid, key, *, gen_length, block_length, steps, cache,
+                              alg, threshold=None, temperature=0.0, top_k=0, top_p=1.0,
+                              alg_temp=0.0, eps=1e-3):
+  b, p = ids.shape
+  x = np.concatenate([np.asarray(ids), np.full((b, gen_length), MASK, np.int32)], 1)
+  ok = np.concatenate([np.asarray(valid), np.ones((b, gen_length), bool)], 1)
+  pos = np.maximum(np.cumsum(ok, 1) - 1, 0).astype(np.float64)
+  spb = steps // (gen_length // block_length)
+  timesteps = np.linspace(1, eps, spb + 1)
+  forwards = 0
+  for blk in range(gen_length // block_length):
+    lo, hi = p + blk * block_length, p + (blk + 1) * block_length
+    i = 0
+    while i < spb and (x[:, lo:hi] == MASK).any():
+      if i == 0 or cache == "none":
+        logits, kv = np_forward(model, x, pos, lambda l, k, v: (k, v, ok))
+        logits = _shifted(logits)[:, lo:hi]
+        if i == 0:
+          cached = [(k.copy(), v.copy()) for k, v in kv]
+      elif cache == "prefix":
+        logits, _ = np_forward(model, x[:, lo:], pos[:, lo:], lambda l, k, v: (
+            np.concatenate([cached[l][0][:, :lo], k], 1),
+            np.concatenate([cached[l][1][:, :lo], v], 1), ok))
+        logits = _shifted(logits)[:, :hi - lo]
+      else:
+
+        def replace(l, k, v):
+          cached[l][0][:, lo:hi], cached[l][1][:, lo:hi] = k, v
+          return cached[l][0], cached[l][1], ok
+
+        logits, _ = np_forward(model, x[:, lo:hi], pos[:, lo:hi], replace)
+        logits = _shifted(logits)
+      forwards += 1
+      u_choice, u_slot = samplers_test.draws(key, blk * spb + i, logits.shape)
+      for r in range(b):
+        masked = x[r, lo:hi] == MASK
+        x0, conf = choose_slots(logits[r], u_choice[r], alg=alg, temperature=temperature,
+                                top_k=top_k, top_p=top_p)
+        if i == 0:
+          commit = masked & (np.arange(block_length) == 0)
+        elif threshold is not None:
+          order = [j for j in np.argsort(-np.where(masked, conf, -np.inf), kind="stable")
+                   if masked[j]]
+          # Fast-dLLM's loop has no step budget; here at least ⌈m / steps left⌉ commit, which
+          # is its one while the budget does not bind (it binds only after a step that drew the
+          # mask token, which leaves its slot masked).
+          least = -(-int(masked.sum()) // (spb - i))
+          chosen = order[:least] + [j for j in order[least:] if conf[j] >= threshold]
+          commit = np.isin(np.arange(block_length), chosen)
+        elif alg == "origin":
+          commit = masked & (u_slot[r, :, 0] < (1 - timesteps[i + 1] / timesteps[i]
+                                                if i < spb - 1 else 1.0))
+        else:
+          m = int(masked.sum())
+          k = int(m * (1 - timesteps[i + 1] / timesteps[i])) if i < spb - 1 else m
+          keys = conf / alg_temp - np.log(-np.log(u_slot[r, :, 0])) if alg_temp else conf
+          commit = most(keys, masked, k)
+        x[r, lo:hi] = np.where(commit, x0, x[r, lo:hi])
+      i += 1
+  return x[:, p:], forwards
+
+
+DREAM_EXACT = rollouts.DreamSampling.from_config(config_lib.base_config("dream").sampler, 0.0)
+
+
+def dream_run(model, prompts, key=0, **kw):
+  s = dataclasses.replace(DREAM_EXACT, stop_ids=(1000,),
+                          **{**kw, "threshold": kw.get("threshold") or 0.0})
+  return samplers.generate(model, *left_pad(prompts), jax.random.key(key), s)
+
+
+DREAM_CASES = [  # cache, threshold, alg, temperature, top_p, alg_temp, steps
+    ("prefix", None, "entropy", 0.0, 1.0, 0.0, 12), ("dual", None, "entropy", 0.0, 1.0, 0.0, 12),
+    ("dual", None, "topk_margin", 0.0, 1.0, 0.0, 6), ("prefix", None, "origin", 0.8, 0.9, 0.0, 6),
+    ("dual", None, "maskgit_plus", 0.9, 1.0, 0.3, 12),
+    ("none", 0.3, "maskgit_plus", 0.0, 1.0, 0.0, 12),
+    ("prefix", 0.3, "maskgit_plus", 0.0, 1.0, 0.0, 12),
+    ("dual", 0.3, "maskgit_plus", 0.0, 1.0, 0.0, 12),
+    ("dual", 0.3, "maskgit_plus", 0.8, 0.95, 0.0, 12)]
+
+
+@pytest.mark.parametrize("cache,threshold,alg,temperature,top_p,alg_temp,steps", DREAM_CASES)
+def test_dream_matches_fast_dllm_dream_reference_on_a_padded_batch(
+    dream, cache, threshold, alg, temperature, top_p, alg_temp, steps):
+  kw = dict(gen_length=12, block_length=4, steps=steps, alg=alg, temperature=temperature,
+            top_p=top_p, alg_temp=alg_temp)
+  ids, valid = left_pad(PROMPTS)
+  want, forwards = fast_dllm_dream_reference(dream, ids, valid, jax.random.key(1), cache=cache,
+                                             threshold=threshold, **kw)
+  got = dream_run(dream, PROMPTS, key=1, cache=cache, threshold=threshold, **kw)
+  np.testing.assert_array_equal(got.completion_BxC, want)
+  np.testing.assert_array_equal(got.forwards_B, forwards)
+
+
+def test_dream_reference_cases_are_not_vacuous(dream):
+  """The caches change the tokens differently, the threshold saves forwards, and the first
+  slot of each block is committed by the block's first (full) forward."""
+  kw = dict(gen_length=12, block_length=4, steps=12, alg="entropy")
+  outs = {c: dream_run(dream, PROMPTS, cache=c, **kw) for c in ("prefix", "dual")}
+  uncached = fast_dllm_dream_reference(dream, *left_pad(PROMPTS), jax.random.key(0),
+                                       cache="none", **kw)[0]
+  prefix, dual = (np.asarray(outs[c].completion_BxC) for c in ("prefix", "dual"))
+  assert (prefix != uncached).any() and (dual != prefix).any()
+  exact = np.asarray(dream_run(dream, PROMPTS, **kw).completion_BxC)
+  assert (exact != uncached).any()  # blocks and the first-slot rule decode differently
+  dual_t = dream_run(dream, PROMPTS, cache="dual", threshold=0.3,
+                     **{**kw, "alg": "maskgit_plus"})
+  assert (np.asarray(dual_t.forwards_B) < 12).all()
+  when = np.asarray(outs["dual"].commit_step_BxL)[:, -12:]
+  np.testing.assert_array_equal(when[:, [0, 4, 8]], np.tile([0, 4, 8], (3, 1)))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_dream_one_layer_model_every_cache_equals_full_forwards(temperature):
+  # One layer: a slot's keys/values depend only on its own token and position, so the cache is
+  # exact, and the span's first slot (whose shifted logits a cached forward lacks) is committed.
+  m = _dream(n_layers=1, seed=6, sharpen=30.0)
+  kw = dict(gen_length=12, block_length=4, steps=6, temperature=temperature, alg="maskgit_plus")
+  uncached = dream_run(m, PROMPTS, cache="none", threshold=0.3, **kw)
+  scheduled = fast_dllm_dream_reference(m, *left_pad(PROMPTS), jax.random.key(0), cache="none",
+                                        **kw)[0]
+  for cache in ("prefix", "dual"):
+    got = dream_run(m, PROMPTS, cache=cache, threshold=0.3, **kw)
+    np.testing.assert_array_equal(got.completion_BxC, uncached.completion_BxC)
+    np.testing.assert_array_equal(got.commit_step_BxL, uncached.commit_step_BxL)
+    np.testing.assert_array_equal(dream_run(m, PROMPTS, cache=cache, **kw).completion_BxC,
+                                  scheduled)
+
+
+def test_dream_row_alone_equals_row_in_padded_batch(dream):
+  kw = dict(gen_length=12, block_length=4, steps=12, cache="dual", threshold=0.3,
+            alg="maskgit_plus")
+  batch = dream_run(dream, PROMPTS, **kw)
+  for i, pr in enumerate(PROMPTS):
+    np.testing.assert_array_equal(dream_run(dream, [pr], **kw).completion_BxC[0],
+                                  batch.completion_BxC[i])
+
+
+def test_dream_fast_settings_are_checked_and_reach_rollouts_only():
+  c = config_lib.base_config("dream")
+  c.sampler.cache, c.sampler.threshold, c.sampler.alg = "dual", 0.9, "maskgit_plus"
+  s = build.settings(c)
+  assert s.rl.sampling.fast and s.rl.sampling.head_slots == c.sampler.block_length
+  assert s.rl.sampling.label == "dream maskgit_plus block=4 cache=dual threshold=0.9"
+  assert not s.eval_sampling.fast and s.eval_sampling.label == "dream maskgit_plus"
+  assert s.eval_sampling.head_slots == c.sampler.gen_length
+  assert samplers.sampler_of(s.rl.sampling) is samplers.dream_generate
+  for changes, match in [
+      (dict(alg="entropy"), r"config\.sampler\.alg='entropy': the threshold compares"),
+      (dict(alg_temp=0.5), r"config\.sampler\.alg_temp=0\.5: threshold decoding"),
+      (dict(steps=3), r"config\.sampler\.steps=3: Dream's fast decoder needs"),
+      (dict(block_length=5), r"config\.sampler\.block_length=5: must divide"),
+      (dict(cache="bogus"), r"config\.sampler\.cache='bogus'")]:
+    bad = config_lib.base_config("dream")
+    bad.sampler.cache, bad.sampler.threshold, bad.sampler.alg = "dual", 0.9, "maskgit_plus"
+    bad.sampler.update(changes)
+    with pytest.raises(ValueError, match=match):
+      build.settings(bad)

@@ -1,10 +1,12 @@
-"""LLaDA decoding at cached speed: block-wise approximate KV caching and confidence-threshold
-parallel decoding (the Fast-dLLM algorithm), one compiled program per shape.
+"""Fast decoding of the full-attention families (LLaDA, Dream): block-wise approximate KV
+caching and confidence-threshold parallel decoding (the Fast-dLLM algorithm, and its Dream
+variant), one compiled program per shape.
 
-The layout, settings, draws and token choice are the exact sampler's (`samplers.llada_generate`);
-what changes is which forwards run and how many tokens a step commits. Each block starts with one
-full forward over the whole sequence; its logits serve as the block's first step and, with a
-cache, its keys/values are reused for the block's later steps:
+The layout `[pads | prompt | gen_length masks]`, the settings and the draws are the family's exact
+sampler's (`samplers`); what changes is which forwards run and how many tokens a step commits. The
+generated region is decoded in blocks of `block_length`, left to right, with `steps / num_blocks`
+steps each. Each block starts with one full forward over the whole sequence; its logits serve as
+the block's first step and, with a cache, its keys/values are reused for the block's later steps:
 - `prefix`: a later step forwards the current block and everything after it, attending to the
   cached keys/values of the prompt and the finished blocks.
 - `dual`: a later step forwards only the current block, attending to the cached keys/values of
@@ -13,18 +15,32 @@ cache, its keys/values are reused for the block's later steps:
 The keys/values outside the forwarded span are those of the block's first forward: stale once
 tokens they attended to are committed, which is the approximation.
 
-Commit rule. Without a threshold, step `i` of a block commits the exact sampler's scheduled
-number. With one, it commits every masked token of the block whose confidence is at or above the
-threshold, and at least the ⌈m / r⌉ most confident (`min_commits`: m masked, r steps left of the
-block's `steps / num_blocks`): 1 while the budget does not bind (always when
+LLaDA's commit rule. Without a threshold, step `i` of a block commits the exact sampler's
+scheduled number. With one, it commits every masked token of the block whose confidence is at or
+above the threshold, and at least the ⌈m / r⌉ most confident (`min_commits`: m masked, r steps
+left of the block's `steps / num_blocks`): 1 while the budget does not bind (always when
 `steps / num_blocks >= block_length`, e.g. steps = gen_length), which is Fast-dLLM's rule, and
-the schedule itself at threshold 1. A block ends as soon as no row has a masked token left in
-it, so no forward is spent on a full block. Step `i` of block `j` uses the exact sampler's draws
-of step `j * steps / num_blocks + i`.
+the schedule itself at threshold 1.
+
+Dream's commit rule (Fast-dLLM's Dream variant). The block's first step (the full forward) commits
+its first slot only: Dream's logits are shifted (slot i's come from the state of slot i - 1), and a
+later forward that starts at the block has no state before it, so that slot is settled while its
+prediction is exact. Steps `i >= 1`: with a threshold (on x̂'s probability, `alg=maskgit_plus`'s
+confidence), the rule above; without one, Dream's own step on the block (`decoding.dream_commit`
+with `sampler.alg`: Fast-dLLM always ranks by `entropy`) at the fraction `1 - s/t` of timesteps
+i, i + 1 of `linspace(1, eps, steps / num_blocks + 1)`, the block's last step committing the rest.
+As in Dream's exact sampler the mask token is a candidate and a slot that commits it stays masked.
+
+Either family: a block ends as soon as no row has a masked token left in it, so no forward is
+spent on a full block, and step `i` of block `j` uses the exact sampler's draws of step
+`j * steps / num_blocks + i` (shaped like the block's logits).
 
 Beyond Fast-dLLM, deliberately: left-padded batches (per-row positions, padding never attended
-to), classifier-free guidance (the unconditional copy is forwarded and cached as its own rows),
-and the step budget. With greedy decoding the tokens are Fast-dLLM's on the cases it supports.
+to), each row its own masked count (Fast-dLLM's Dream code counts over the batch), LLaDA's
+classifier-free guidance (the unconditional copy is forwarded and cached as its own rows), and the
+step budget (Fast-dLLM's threshold loop runs until the block is full; with
+`steps / num_blocks >= block_length` the budget never binds). With greedy decoding the tokens are
+Fast-dLLM's on the cases it supports.
 
 Rollouts drawn this way are not the model's exact sampling distribution; likelihoods, ratios and
 gradients still come from the exact model.
@@ -36,14 +52,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from stabledrl_jax import decoding, rollouts
-from stabledrl_jax.rollouts import LLaDASampling, Rollout
+from stabledrl_jax.rollouts import DreamSampling, LLaDASampling, Rollout
 
 Array = jax.Array
 
 
 def generate(model: nnx.Module, prompt_BxP: Array, prompt_valid_BxP: Array, key: Array,
-             sampling: LLaDASampling) -> Rollout:
-  """Fast LLaDA decoding of left-padded prompts (`sampling.cache`, `sampling.threshold`)."""
+             sampling: LLaDASampling | DreamSampling) -> Rollout:
+  """Fast decoding of left-padded prompts (`sampling.cache`, `sampling.threshold`)."""
   return _generate(model, prompt_BxP, prompt_valid_BxP, key, sampling)
 
 
@@ -51,8 +67,45 @@ def _slice(x, start, size):
   return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
 
 
+def _llada_choice(sampling: LLaDASampling, mask_id: int, spb: int):
+  """LLaDA's step: `(logits, block, key, step s, step of the block i, schedule) -> commit, x̂`."""
+  def choose(logits_BxKxV, block_BxK, key, s, i, schedule_BxS):
+    still_masked = block_BxK == mask_id
+    x0_BxK, conf_BxK = decoding.choose_tokens(decoding.forbid(logits_BxKxV, mask_id), key, s,
+                                              sampling.temperature, sampling.remasking)
+    if not sampling.threshold:
+      k_B = schedule_BxS[:, i]
+    else:
+      k_B = decoding.min_commits(jnp.sum(still_masked, -1), spb - i)
+    return decoding.confident_commit(decoding.order_scores(conf_BxK, sampling.order),
+                                     still_masked, k_B, sampling.threshold), x0_BxK
+  return choose
+
+
+def _dream_choice(sampling: DreamSampling, mask_id: int, spb: int):
+  """Dream's step (module docstring); `i` is the Python int 0 at the block's first step."""
+  fractions_S = jnp.asarray(decoding.dream_fractions(spb, sampling.eps))
+
+  def choose(logits_BxKxV, block_BxK, key, s, i, _):
+    still_masked = block_BxK == mask_id
+    u_choice, u_slot = decoding.uniforms(key, s, logits_BxKxV.shape)
+    x0_BxK, conf_BxK = decoding.dream_choose_tokens(
+        logits_BxKxV, u_choice, alg=sampling.alg, temperature=sampling.temperature,
+        top_k=sampling.top_k, top_p=sampling.top_p)
+    if isinstance(i, int) and i == 0:
+      commit = still_masked & (jnp.arange(block_BxK.shape[1]) == 0)[None, :]
+    elif sampling.threshold:
+      k_B = decoding.min_commits(jnp.sum(still_masked, -1), spb - i)
+      commit = decoding.confident_commit(conf_BxK, still_masked, k_B, sampling.threshold)
+    else:
+      commit = decoding.dream_commit(conf_BxK, still_masked, u_slot[..., 0], fractions_S[i],
+                                     alg=sampling.alg, alg_temp=sampling.alg_temp)
+    return commit & (x0_BxK != mask_id), x0_BxK
+  return choose
+
+
 @nnx.jit(static_argnames=("sampling",))
-def _generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: LLaDASampling) -> Rollout:
+def _generate(model, prompt_BxP, prompt_valid_BxP, key, sampling) -> Rollout:
   cfg = model.config
   mask_id = cfg.mask_token_id
   stop_ids, pad_id = decoding.stop_and_pad_ids(cfg, sampling)
@@ -60,10 +113,12 @@ def _generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: LLaDASampling)
   g, bl = sampling.gen_length, sampling.block_length
   num_blocks = g // bl
   spb = sampling.steps // num_blocks
+  dream = isinstance(sampling, DreamSampling)
+  choose = (_dream_choice if dream else _llada_choice)(sampling, mask_id, spb)
   tokens, positions, valid, prompt_mask = rollouts.llada_layout(prompt_BxP, prompt_valid_BxP, g, mask_id)
   t = p + g
   # With guidance the forwarded rows are the conditional ones then their unconditional copies.
-  copies = 2 if sampling.cfg_scale > 0 else 1
+  copies = 1 if dream or not sampling.cfg_scale else 2
   pos_CxL = jnp.tile(positions, (copies, 1))
   valid_CxL = jnp.tile(valid, (copies, 1))
 
@@ -101,16 +156,9 @@ def _generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: LLaDASampling)
     return guide(model.head_logits(h)), bl
 
   def decode(logits_BxKxV, x_BxL, when_BxL, start, s, i, schedule_BxS):
+    # A slot whose x̂ is the mask token (Dream only) stays masked and keeps no commit step.
     block_BxK = _slice(x_BxL, start, bl)
-    still_masked = block_BxK == mask_id
-    x0_BxK, conf_BxK = decoding.choose_tokens(decoding.forbid(logits_BxKxV, mask_id), key, s,
-                                              sampling.temperature, sampling.remasking)
-    if not sampling.threshold:
-      k_B = schedule_BxS[:, i]
-    else:
-      k_B = decoding.min_commits(jnp.sum(still_masked, -1), spb - i)
-    commit = decoding.confident_commit(decoding.order_scores(conf_BxK, sampling.order),
-                                       still_masked, k_B, sampling.threshold)
+    commit, x0_BxK = choose(logits_BxKxV, block_BxK, key, s, i, schedule_BxS)
     block_BxK = jnp.where(commit, x0_BxK, block_BxK)
     when_BxK = jnp.where(commit, s, _slice(when_BxL, start, bl))
     return (jax.lax.dynamic_update_slice_in_dim(x_BxL, block_BxK, start, axis=1),
