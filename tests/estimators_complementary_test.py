@@ -186,3 +186,73 @@ def test_coupled_shares_the_pairs_and_independent_draws_new_ones():
   assert not np.array_equal(new.noised_BxMxL, old.noised_BxMxL)
   for s in (new, old):  # each side keeps its pairs complementary
     assert (np.asarray(s.noised_BxMxL)[:, :, PROMPT:].sum(1) == 1).all()
+
+
+def test_dream_elbo_through_the_model_is_exact_with_the_shift():
+  """Dream end to end (complementary masks -> `likelihood.masked_logp` -> `losses.mc_elbo`)
+  averages to the exact ELBO of a model whose prediction at slot i depends on slot i - 1 alone:
+  attention and MLP outputs zeroed, so each slot's state is its own token's (normed) embedding,
+  and Dream's shift hands it to the next slot. The exact value enumerates every completion mask,
+  with log-probs written here from that definition (the predecessor's token, or the mask token
+  when the predecessor is masked). Teeth: without the shift (each slot read from its own, masked,
+  state) the ELBO is another number, far outside the error bars."""
+  from flax import nnx
+
+  from stabledrl_jax import likelihood, losses, models
+  c, eps = 5, 0.2
+  cfg = models.tiny(**models.family_options("dream"), n_kv_heads=2, n_layers=1)
+  model = models.create(cfg, seed=0)
+  for blk in model.blocks:
+    blk.attn.o_proj.kernel[...] = jnp.zeros_like(blk.attn.o_proj.kernel[...])
+    blk.down_proj.kernel[...] = jnp.zeros_like(blk.down_proj.kernel[...])
+  model.head.kernel[...] = 4.0 * model.head.kernel[...]  # log-probs spread out
+  completion, counted, prompt = _rows([4, 2, 5], completion_len=c)
+  rng = np.random.default_rng(5)
+  tokens = rng.integers(2, 120, size=(3, PROMPT + c))
+  seqs = likelihood.Sequences(
+      tokens_BxL=jnp.asarray(tokens), positions_BxL=jnp.broadcast_to(jnp.arange(PROMPT + c),
+                                                                     tokens.shape),
+      valid_BxL=jnp.ones(tokens.shape, bool), prompt_BxL=prompt, completion_BxL=completion,
+      counted_BxL=counted)
+
+  emb = np.asarray(model.embed.embedding[...], np.float64)
+  state = emb / np.sqrt(np.mean(emb**2, -1, keepdims=True) + cfg.norm_eps)
+  state = state * np.asarray(model.final_norm.scale[...], np.float64)
+  logits = state @ np.asarray(model.head.kernel[...], np.float64)   # [previous token, V]
+  lp_next = logits - logits.max(-1, keepdims=True)
+  lp_next = lp_next - np.log(np.exp(lp_next).sum(-1, keepdims=True))
+
+  def table(shifted):
+    out = np.zeros((3, 2**c, c))
+    for b in range(3):
+      for pattern in range(2**c):
+        masked = [(pattern >> i) & 1 for i in range(c)]
+        for i in range(c):
+          if shifted:
+            before = tokens[b, PROMPT + i - 1]
+            prev = cfg.mask_token_id if i > 0 and masked[i - 1] else before
+          else:
+            prev = cfg.mask_token_id
+          out[b, pattern, i] = lp_next[prev, tokens[b, PROMPT + i]]
+    return out
+
+  cnt = np.asarray(counted)[:, PROMPT:]
+  exact = _exact_elbo(table(True), cnt, eps, 1 - eps)
+  unshifted = _exact_elbo(table(False), cnt, eps, 1 - eps)
+  graphdef, params = nnx.split(model)
+
+  @jax.jit
+  def estimates(params, keys):  # the weights an argument: XLA folds no zero kernel
+    def one(key):
+      s = estimators.sample_masks(key, completion, counted_BxL=counted, scheme="complementary",
+                                  num_samples=2, min_mask_prob=eps)
+      lp = likelihood.masked_logp(nnx.merge(graphdef, params), seqs, s.noised_BxMxL,
+                                  staircase=False)
+      return losses.mc_elbo(lp, s.weight_BxMxL)
+    return jax.lax.map(jax.vmap(one), keys.reshape(-1, 1000))
+
+  est = np.asarray(estimates(params, jax.random.split(jax.random.key(0), 20_000)),
+                   np.float64).reshape(-1, 3)
+  stderr = est.std(0) / np.sqrt(est.shape[0])
+  assert np.all(np.abs(est.mean(0) - exact) < 4 * stderr), (est.mean(0), exact, stderr)
+  assert np.all(np.abs(unshifted - exact) > 10 * stderr), (unshifted, exact, stderr)

@@ -2,8 +2,8 @@
 ratio -> weights -> loss -> gradient -> clipped AdamW step.
 
 The torch side is written from the definitions, in float64: its own forward of the same
-architecture (full attention for LLaDA; the dual-stream staircase for SDAR, its attention rule
-written out), its own ELBO, clip, self-normalisation, EUBO, GRPO clip and AdamW. It is handed
+architecture (full attention for LLaDA; Dream's full attention with q/k/v biases and its
+logits shifted one slot right; the dual-stream staircase for SDAR, its attention rule written out), its own ELBO, clip, self-normalisation, EUBO, GRPO clip and AdamW. It is handed
 only what the project drew: the rollout tokens, the masks and, where they cannot be read off a
 mask (`block_t` and `random_t` draw a hidden rate per sample), the estimator weights.
 """
@@ -34,6 +34,8 @@ def _model(family, seed):
   if family == "llada":
     cfg = models.tiny(**models.family_options("llada"), n_kv_heads=4, rope_theta=500000.0,
                       norm_eps=1e-5)
+  elif family == "dream":
+    cfg = models.tiny(**models.family_options("dream"), n_kv_heads=2)
   else:
     cfg = models.tiny()
   return models.create(cfg, seed=seed)
@@ -79,6 +81,9 @@ def _named(m):
                 f"{i}.up": blk.up_proj.kernel, f"{i}.down": blk.down_proj.kernel})
     if a.q_norm is not None:
       out.update({f"{i}.q_norm": a.q_norm.scale, f"{i}.k_norm": a.k_norm.scale})
+    if a.q_proj.bias is not None:  # Dream
+      out.update({f"{i}.{n}_bias": p.bias for n, p in
+                  (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj))})
   assert len(out) == len(jax.tree.leaves(nnx.state(m, nnx.Param)))  # nothing left out
   return {k: np.asarray(v[...], np.float64) for k, v in out.items()}
 
@@ -107,8 +112,8 @@ def _t(x, dtype=torch.float64):
 
 
 def _allowed(family, positions_NxL):
-  """Attention allowed `[N, Q, K]`: everything (LLaDA), or the staircase over `[x_t ; x_0]`."""
-  if family == "llada":
+  """Attention allowed `[N, Q, K]`: everything (LLaDA, Dream), or the staircase over `[x_t ; x_0]`."""
+  if family in ("llada", "dream"):
     n, t = positions_NxL.shape
     return torch.ones(n, t, t, dtype=torch.bool)
   blk = positions_NxL // BS
@@ -136,9 +141,9 @@ def _t_logits(w, cfg, ids_NxL, positions_NxL, allowed_NxQxK):
   x = w["embed"][ids_NxL]
   for i in range(cfg.n_layers):
     y = norm(x, w[f"{i}.attn_norm"])
-    q = (y @ w[f"{i}.q"]).view(n, t, cfg.n_heads, h)
-    k = (y @ w[f"{i}.k"]).view(n, t, cfg.n_kv_heads, h)
-    v = (y @ w[f"{i}.v"]).view(n, t, cfg.n_kv_heads, h)
+    q, k, v = (y @ w[f"{i}.{p}"] + w.get(f"{i}.{p}_bias", 0.0) for p in "qkv")
+    q = q.view(n, t, cfg.n_heads, h)
+    k, v = k.view(n, t, cfg.n_kv_heads, h), v.view(n, t, cfg.n_kv_heads, h)
     if cfg.qk_norm:
       q, k = norm(q, w[f"{i}.q_norm"]), norm(k, w[f"{i}.k_norm"])
     q, k = rope(q), rope(k)
@@ -163,6 +168,9 @@ def _t_logp(w, cfg, family, seqs, noised_BxMxL):
   pos = _t(seqs.positions_BxL, torch.long).repeat_interleave(m, 0)
   if family == "llada":
     logits = _t_logits(w, cfg, noisy, pos, _allowed(family, pos))
+  elif family == "dream":  # slot i's logits are slot i - 1's output (slot 0 keeps its own)
+    logits = _t_logits(w, cfg, noisy, pos, _allowed(family, pos))
+    logits = torch.cat([logits[:, :1], logits[:, :-1]], 1)
   else:
     ids = torch.cat([noisy, clean.reshape(B * m, T)], 1)
     logits = _t_logits(w, cfg, ids, torch.cat([pos, pos], 1), _allowed(family, pos))[:, :T]
@@ -245,7 +253,7 @@ def _check_step(start, t_loss, project_step):
 # ----------------------------------------------------------------------------- the tests
 
 
-@pytest.mark.parametrize("family", ["llada", "sdar"])
+@pytest.mark.parametrize("family", ["llada", "sdar", "dream"])
 def test_one_rl_update_matches_torch_autograd(family):
   model, seqs = _model(family, seed=0), _seqs(seed=1)
   old = _old_model(model, seed=2)
@@ -257,8 +265,8 @@ def test_one_rl_update_matches_torch_autograd(family):
   adv = losses.group_advantages(jnp.asarray(rewards, jnp.float32), group_size=G)
   base = dataclasses.replace(  # the default config's objective, then this test's shapes
       rl.Objective.from_config(config_lib.base_config("sdar")), group_size=G,
-      scheme="block_random" if family == "llada" else "block_t", num_samples=2,
-      p_mask_prompt=0.5 if family == "llada" else 0.0, block_size=BS, staircase=family == "sdar")
+      scheme="block_t" if family == "sdar" else "block_random", num_samples=2,
+      p_mask_prompt=0.0 if family == "sdar" else 0.5, block_size=BS, staircase=family == "sdar")
   objectives = {
       "stabledrl": dataclasses.replace(base, name="stabledrl", epsilon=0.02),
       "stabledrl_spg": dataclasses.replace(base, name="stabledrl_spg", coupling="independent",
