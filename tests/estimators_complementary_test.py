@@ -242,7 +242,7 @@ def test_dream_elbo_through_the_model_is_exact_with_the_shift():
   graphdef, params = nnx.split(model)
 
   @jax.jit
-  def estimates(params, keys):  # the weights an argument: XLA folds no zero kernel
+  def estimates(params, keys):  # weights as arguments: as jit constants, once gave NaN on CPU
     def one(key):
       s = estimators.sample_masks(key, completion, counted_BxL=counted, scheme="complementary",
                                   num_samples=2, min_mask_prob=eps)
