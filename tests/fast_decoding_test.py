@@ -97,6 +97,32 @@ def draws(key, step, shape):
   return np.asarray(u[0], np.float64)
 
 
+def block_logits(model, rows, pos, ok, lo, hi, cache, cached, shift=lambda logits: logits):
+  """The block's logits `[R, hi - lo, V]` from the forward Fast-dLLM runs, and the cache after it.
+  `cached` None (the block's first step) or `cache="none"`: a full forward, whose keys/values
+  become the cache at the first step; `prefix`: the block and everything after it against the
+  cache cut at the block start; `dual`: the block alone, its fresh keys/values replacing its slots
+  in the cache. `shift` aligns a forward's outputs with their targets within the forwarded span
+  (Dream)."""
+  if cached is None or cache == "none":
+    logits, kv = np_forward(model, rows, pos, lambda l, k, v: (k, v, ok))
+    if cached is None:
+      cached = [(k.copy(), v.copy()) for k, v in kv]
+    return shift(logits)[:, lo:hi], cached
+  if cache == "prefix":
+    logits, _ = np_forward(model, rows[:, lo:], pos[:, lo:], lambda l, k, v: (
+        np.concatenate([cached[l][0][:, :lo], k], 1),
+        np.concatenate([cached[l][1][:, :lo], v], 1), ok))
+    return shift(logits)[:, :hi - lo], cached
+
+  def replace(l, k, v):
+    cached[l][0][:, lo:hi], cached[l][1][:, lo:hi] = k, v
+    return cached[l][0], cached[l][1], ok
+
+  logits, _ = np_forward(model, rows[:, lo:hi], pos[:, lo:hi], replace)
+  return shift(logits), cached
+
+
 def fast_dllm_reference(model, ids, valid, key, *, gen_length, block_length, steps, cache,
                         threshold=None, temperature=0.0, cfg_scale=0.0):
   b, p = ids.shape
@@ -121,25 +147,9 @@ def fast_dllm_reference(model, ids, valid, key, *, gen_length, block_length, ste
     lo, hi = p + blk * block_length, p + (blk + 1) * block_length
     counts = [[(block_length // spb) + (i < block_length % spb) for i in range(spb)]] * b
     i = 0
+    cached = None
     while i < spb and (x[:, lo:hi] == MASK).any():
-      rows = forward_rows(x)
-      if i == 0 or cache == "none":
-        logits, kv = np_forward(model, rows, pos, lambda l, k, v: (k, v, ok))
-        logits = logits[:, lo:hi]
-        if i == 0:
-          cached = [(k.copy(), v.copy()) for k, v in kv]
-      elif cache == "prefix":
-        logits, _ = np_forward(model, rows[:, lo:], pos[:, lo:], lambda l, k, v: (
-            np.concatenate([cached[l][0][:, :lo], k], 1),
-            np.concatenate([cached[l][1][:, :lo], v], 1), ok))
-        logits = logits[:, :hi - lo]
-      else:  # dual: the block's fresh keys/values replace its slots in the cache
-
-        def replace(l, k, v):
-          cached[l][0][:, lo:hi], cached[l][1][:, lo:hi] = k, v
-          return cached[l][0], cached[l][1], ok
-
-        logits, _ = np_forward(model, rows[:, lo:hi], pos[:, lo:hi], replace)
+      logits, cached = block_logits(model, forward_rows(x), pos, ok, lo, hi, cache, cached)
       forwards += 1
       lb = guided(logits)
       lb[..., MASK] = -np.inf
@@ -353,25 +363,9 @@ def fast_dllm_dream_reference(model, ids, valid, key, *, gen_length, block_lengt
   for blk in range(gen_length // block_length):
     lo, hi = p + blk * block_length, p + (blk + 1) * block_length
     i = 0
+    cached = None
     while i < spb and (x[:, lo:hi] == MASK).any():
-      if i == 0 or cache == "none":
-        logits, kv = np_forward(model, x, pos, lambda l, k, v: (k, v, ok))
-        logits = _shifted(logits)[:, lo:hi]
-        if i == 0:
-          cached = [(k.copy(), v.copy()) for k, v in kv]
-      elif cache == "prefix":
-        logits, _ = np_forward(model, x[:, lo:], pos[:, lo:], lambda l, k, v: (
-            np.concatenate([cached[l][0][:, :lo], k], 1),
-            np.concatenate([cached[l][1][:, :lo], v], 1), ok))
-        logits = _shifted(logits)[:, :hi - lo]
-      else:
-
-        def replace(l, k, v):
-          cached[l][0][:, lo:hi], cached[l][1][:, lo:hi] = k, v
-          return cached[l][0], cached[l][1], ok
-
-        logits, _ = np_forward(model, x[:, lo:hi], pos[:, lo:hi], replace)
-        logits = _shifted(logits)
+      logits, cached = block_logits(model, x, pos, ok, lo, hi, cache, cached, shift=_shifted)
       forwards += 1
       u_choice, u_slot = samplers_test.draws(key, blk * spb + i, logits.shape)
       for r in range(b):
