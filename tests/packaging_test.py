@@ -77,11 +77,60 @@ def test_an_undeclared_import_is_caught(tmp_path):
   assert undeclared(package, requirements) == []
 
 
-def test_pyproject_reads_its_dependencies_from_requirements():
+def test_pyproject_needs_only_jax_and_reads_the_trainers_extra_from_requirements():
   tomllib = pytest.importorskip("tomllib")
   project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-  assert "dependencies" in project["project"]["dynamic"]
-  assert project["tool"]["setuptools"]["dynamic"]["dependencies"]["file"] == ["requirements.txt"]
+  assert project["tool"]["setuptools"]["dynamic"]["optional-dependencies"] == {
+      "train": {"file": ["requirements.txt"]}}
+  [jax] = project["project"]["dependencies"]
+  pinned = [line.split("#")[0].strip() for line in (ROOT / "requirements.txt").read_text().splitlines()
+            if line.startswith("jax")]
+  assert [p.replace("[cpu]", "") for p in pinned] == [jax]  # one JAX bound for both installs
+
+
+def closure(requirements: list[str]) -> set[str]:
+  """Installed distributions these requirements pull in (extras and markers not taken)."""
+  seen, todo = set(), [re.split(r"[\[<>=!~;\s(]", r, maxsplit=1)[0] for r in requirements]
+  while todo:
+    name = normalise(todo.pop())
+    if name in seen:
+      continue
+    seen.add(name)
+    for r in importlib.metadata.distribution(name).requires or []:
+      if ";" not in r:
+        todo.append(re.split(r"[\[<>=!~;\s(]", r, maxsplit=1)[0])
+  return seen
+
+
+def test_the_losses_import_in_a_venv_holding_only_jax(tmp_path):
+  """A fresh venv whose site-packages hold the package and the closure of its `dependencies`
+  (JAX's), linked from this one: no tfds, grain, orbax, flax or math-verify."""
+  import subprocess
+
+  tomllib = pytest.importorskip("tomllib")
+  deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+  venv = tmp_path / "venv"
+  subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+  site = next(venv.glob("lib/python*/site-packages"))
+  for name in closure(deps):
+    dist = importlib.metadata.distribution(name)
+    for top in {Path(str(f)).parts[0] for f in dist.files} - {".."}:
+      (site / top).symlink_to(dist.locate_file(top))
+  (site / "stabledrl_jax").symlink_to(PACKAGE)
+  code = """
+import importlib.util, jax.numpy as jnp
+from stabledrl_jax import estimators, losses
+adv_B = losses.group_advantages(jnp.array([1., 0., 0., 1.]), group_size=2)
+loss, _ = losses.snis_clip_loss(jnp.zeros(4), adv_B, jnp.array([-1., -2., -3., -5.]), group_size=2,
+                                epsilon=5.0)
+print(float(loss), [importlib.util.find_spec(m) is None for m in ("flax", "optax", "grain")])
+"""
+  out = subprocess.run([str(venv / "bin" / "python"), "-c", code], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+  assert out.returncode == 0, out.stderr
+  # α = ½ (log ratios 0), A = ±½: -mean(½·½·(-1) + ½·(-½)·(-2), ½·(-½)·(-3) + ½·½·(-5)) = 0.125
+  assert out.stdout.split()[0] == "0.125"
+  assert out.stdout.split(None, 1)[1].strip() == "[True, True, True]"
 
 
 def test_config_paths_resolve_from_any_directory(tmp_path, monkeypatch):
@@ -140,6 +189,12 @@ def test_the_wheel_carries_every_module_and_the_configs_found_from_anywhere(tmp_
   with zipfile.ZipFile(wheel) as z:
     names = {n for n in z.namelist() if n.endswith(".py")}
     z.extractall(tmp_path / "site")
+    metadata = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+  requires = [line.split(": ", 1)[1] for line in metadata.splitlines()
+              if line.startswith("Requires-Dist: ")]
+  assert [r for r in requires if "extra ==" not in r] == ["jax<0.11,>=0.6"]  # the losses alone
+  assert {normalise(re.split(r"[\[<>=!~;\s(]", r, maxsplit=1)[0]) for r in requires
+          if 'extra == "train"' in r} == declared(ROOT / "requirements.txt")
   want = {str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py")}
   want |= {f"stabledrl_jax/configs/{p.name}" for p in (ROOT / "configs").glob("*.py")}
   assert names == want
