@@ -63,6 +63,9 @@ def test_malformed_lines_name_file_and_line(tmp_path, data_dir):
   (bad / "test.jsonl").write_text(good + "\n" + good + "\n{not json\n")
   with pytest.raises(ValueError, match=r"test\.jsonl, line 3"):
     list(datasets.read_jsonl(bad / "test.jsonl", lambda r: r))
+  (bad / "test.jsonl").write_bytes(good.encode() + b"\n\xff\xfe not utf-8\n")
+  with pytest.raises(ValueError, match=r"test\.jsonl, line 2: malformed record \('utf-8'"):
+    list(datasets.read_jsonl(bad / "test.jsonl", lambda r: r))
   (bad / "test.jsonl").write_text(good + "\n" + json.dumps({"question": "q"}) + "\n")
   with pytest.raises(ValueError, match=r"test\.jsonl, line 2"):
     datasets.load_source("gsm8k", "test", data_dir=tmp_path / "out", source="local", source_dir=bad)
@@ -70,6 +73,34 @@ def test_malformed_lines_name_file_and_line(tmp_path, data_dir):
   csv_file.write_text("Puzzle,Solution\n3102200002100320,3142243142131324\n31,3142\n")
   with pytest.raises(ValueError, match=r"sudoku\.csv, line 3"):
     list(datasets.read_sudoku_csv(csv_file))
+
+
+def test_one_cache_dir_serves_each_source_its_own_examples(tmp_path):
+  def write(folder, questions):
+    folder.mkdir()
+    for split in ("train", "test"):
+      (folder / f"{split}.jsonl").write_text("".join(
+          json.dumps({"question": q, "answer": f"#### {i}"}) + "\n" for i, q in enumerate(questions)))
+
+  write(tmp_path / "a", ["qa1", "qa2"])
+  write(tmp_path / "b", ["qb1"])
+  cache = tmp_path / "cache"
+
+  def questions(folder):
+    source = datasets.load_source("gsm8k", "test", data_dir=cache, source="local",
+                                  source_dir=folder)
+    return sorted(source[i]["question"] for i in range(len(source)))
+
+  assert questions(tmp_path / "a") == ["qa1", "qa2"]
+  assert questions(tmp_path / "b") == ["qb1"]
+  assert questions(tmp_path / "a") == ["qa1", "qa2"]
+  write(tmp_path / "a2", ["qa3"])
+  (tmp_path / "a").rename(tmp_path / "old")
+  (tmp_path / "a2").rename(tmp_path / "a")  # the same folder, edited files
+  assert questions(tmp_path / "a") == ["qa3"]
+  (tmp_path / "a" / "train.jsonl").write_text("\n")
+  with pytest.raises(ValueError, match=r"a/train\.jsonl: no examples"):
+    questions(tmp_path / "a")
 
 
 def test_missing_file_and_offline_public_builder_fail_clearly(tmp_path):

@@ -4,13 +4,14 @@ Generated tasks (Countdown, Sudoku) come from their seeded generators, in memory
 and d1's Countdown/Sudoku test files are TFDS builders (array_record files, no TensorFlow) over
 local files (paths come from the config; nothing is downloaded). `load_source(...)` returns a
 random-access source of example dicts for Grain (a file builder is prepared once under
-`data_dir`).
+`data_dir`, in a folder keyed by what it is built from: `cache_key`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import csv
+import hashlib
 import json
 from collections.abc import Callable, Iterator
 from fractions import Fraction
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from etils import epath
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core import hashing as tfds_hashing
 
@@ -29,14 +31,16 @@ _VERSION = tfds.core.Version("1.0.0")
 
 
 def read_jsonl(path: Path, parse: Callable[[dict], dict]) -> Iterator[dict]:
-  """Parsed records of a jsonl file; a bad line fails naming the file and line number."""
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, start=1):
-      if not line.strip():
-        continue
+  """Parsed records of a jsonl file; a bad line (not UTF-8, not JSON, not a record) fails naming
+  the file and line number."""
+  with epath.Path(path).open("rb") as f:
+    for lineno, raw in enumerate(f, start=1):
       try:
+        line = raw.decode("utf-8")
+        if not line.strip():
+          continue
         yield parse(json.loads(line))
-      except (ValueError, KeyError, TypeError) as e:
+      except (ValueError, KeyError, TypeError) as e:  # UnicodeDecodeError is a ValueError
         raise ValueError(f"{path}, line {lineno}: malformed record ({e})") from None
 
 
@@ -120,8 +124,11 @@ class _LocalFileBuilder(tfds.core.GeneratorBasedBuilder):
     return splits
 
   def _generate_examples(self, path: Path):
+    i = -1
     for i, ex in enumerate(self._read(path)):
       yield i, ex
+    if i < 0:
+      raise ValueError(f"{path}: no examples (an empty split)")
 
   def _read(self, path: Path) -> Iterator[dict]:
     raise NotImplementedError
@@ -281,7 +288,34 @@ def task_examples(task: base.Task, split: str, *, source: str, source_dir: str |
   path = Path(source_dir) / f"{split}.jsonl"
   if not path.is_file():
     raise FileNotFoundError(f"{task.name}: missing data file {path} (config.task.source_dir)")
-  return list(read_jsonl(path, task.from_record or dict))
+  examples = list(read_jsonl(path, task.from_record or dict))
+  if not examples:
+    raise ValueError(f"{path}: no examples (an empty split)")
+  return examples
+
+
+def cache_key(task: str, source: str, source_dir: str | Path | None) -> dict[str, Any]:
+  """What a task's prepared files are built from: the task, its source, the source folder and
+  the content hash of each of its files (so edited or other files make another key)."""
+  key: dict[str, Any] = {"task": task, "source": source, "version": str(_VERSION)}
+  if source == "local" and source_dir is not None:
+    folder = epath.Path(source_dir).resolve()
+    key["source_dir"] = str(folder)
+    key["files"] = {path.name: hashlib.sha256(path.read_bytes()).hexdigest()
+                    for path in sorted(folder.iterdir()) if path.is_file()}
+  return key
+
+
+def keyed_data_dir(data_dir: str | Path, key: dict[str, Any]) -> epath.Path:
+  """`data_dir/<task>-<source>-<hash of key>`, holding `source.json` (the key): two sources never
+  share prepared files, whatever `data_dir` they are given."""
+  digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+  folder = epath.Path(data_dir) / f"{key['task']}-{key['source']}-{digest}"
+  folder.mkdir(parents=True, exist_ok=True)
+  record = folder / "source.json"
+  if not record.exists():
+    record.write_text(json.dumps(key, indent=2, sort_keys=True))
+  return folder
 
 
 def load_source(task: str | base.Task, split: str, *, source: str = "generated",
@@ -290,7 +324,7 @@ def load_source(task: str | base.Task, split: str, *, source: str = "generated",
 
   Generated tasks (`source="generated"`, `kwargs` overriding the generator settings) are built in
   memory, as are tasks defined outside the package (`task_examples`); the built-in tasks' files
-  are TFDS builders, prepared once under `data_dir`.
+  are TFDS builders, prepared once under `data_dir` in a folder of their own (`keyed_data_dir`).
   """
   if not isinstance(task, str):
     built_in = BUILT_IN.get(task.name)  # the same task, its SFT demonstrator aside
@@ -300,6 +334,7 @@ def load_source(task: str | base.Task, split: str, *, source: str = "generated",
   if source == "generated":
     return generated_examples(task, split, **kwargs)
   tfds.disable_progress_bar()
+  data_dir = keyed_data_dir(data_dir, cache_key(task, source, kwargs.get("source_dir")))
   builder = make_builder(task, data_dir=data_dir, source=source, **kwargs)
   builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
   return DecodedSource(builder.as_data_source(split=split))
