@@ -74,7 +74,7 @@ EDGE_STEPS = 10  # reward over the first and the last this many RL steps
 
 
 def as_float(v: Any) -> float:
-  """A metrics value as a float: metrics.jsonl writes non-finite numbers as "nan" / "inf"."""
+  """A metrics value as a float: metrics.jsonl writes non-finite numbers as null (before: "nan")."""
   return math.nan if v is None else float(v)
 
 

@@ -43,7 +43,7 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def as_float(v) -> float:
-  return float(v)  # the metrics files write non-finite numbers as "nan" / "inf" strings
+  return math.nan if v is None else float(v)  # non-finite: null (before: "nan" / "inf")
 
 
 def finished(workdir: str, tag: str) -> bool:

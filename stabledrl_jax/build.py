@@ -16,7 +16,7 @@ from jax.experimental import multihost_utils
 from stabledrl_jax import (config_lib, controls, detectors, distributed, lora, models, rl,
                            rollouts, sft, sharding, tasks)
 from stabledrl_jax.rollouts import DreamSampling, LLaDASampling, SDARSampling
-from stabledrl_jax.tasks import datasets, pipeline
+from stabledrl_jax.tasks import base, datasets, pipeline
 from stabledrl_jax.tasks.tokenizer import CharTokenizer, HFTokenizer
 
 
@@ -34,7 +34,7 @@ def settings(c: ml_collections.ConfigDict) -> Settings:
   """`config_lib.validate`, then every section's settings class (each checks its own keys); the
   first bad key raises `ValueError` naming it."""
   config_lib.validate(c)
-  task(c)
+  reward_fn(c, task(c))
   rl_settings = rl.Settings.from_config(c)
   return Settings(sft.Settings.from_config(c), rl_settings, eval_sampling(c),
                   detectors.MonitorConfig.from_config(c.stability),
@@ -57,6 +57,24 @@ def task(c: ml_collections.ConfigDict) -> tasks.Task:
     raise ValueError(f"config.sft.steps={c.sft.steps}: task {c.task.name!r} has no "
                      "reference_completion to train on; set 0")
   return t
+
+
+def reward_fn(c: ml_collections.ConfigDict, t: tasks.Task) -> base.WeightedReward:
+  """The config's weighted reward (`task.reward_weights`, `task.invalid_reward`), checked where
+  computed (`base.WeightedReward`)."""
+  try:
+    return t.reward_fn(dict(c.task.reward_weights), c.task.invalid_reward)
+  except KeyError as e:
+    raise ValueError(f"config.task.reward_weights: {e.args[0]}") from e
+
+
+def check_reward(t: tasks.Task, fn: base.WeightedReward, examples: list) -> None:
+  """`base.check_reward` on a few examples before anything runs (a reward that raises or returns
+  a non-number stops here); a warning when no reference completion is graded correct."""
+  correct, graded = base.check_reward(t, fn, examples)
+  if graded and not correct:
+    distributed.log(f"warning: task {t.name!r}: none of {graded} reference completions is graded "
+                    "correct (check the task's checker and answer field)")
 
 
 def tokenizer(c: ml_collections.ConfigDict):
@@ -190,7 +208,7 @@ def data(c: ml_collections.ConfigDict, tokenizer, workdir: str, mesh=None) -> Da
   """Tasks and this process's data iterators (`mesh`: the run's, which decides the rows)."""
   sft_rows, rl_rows = process_rows(c, mesh)
   t = task(c)
-  reward_fn = t.reward_fn(dict(c.task.reward_weights))
+  reward = reward_fn(c, t)
   kwargs = source_kwargs(c, c.task.data_dir or os.path.join(workdir, "data"))
   sft_kwargs = source_kwargs(c, kwargs["data_dir"], sft=True)
   # Process 0 prepares the on-disk data (a shared workdir must not be written by all at once).
@@ -202,6 +220,10 @@ def data(c: ml_collections.ConfigDict, tokenizer, workdir: str, mesh=None) -> Da
   sft_train = train if sft_kwargs == kwargs else datasets.load_source(t, "train", **sft_kwargs)
   if several and distributed.is_main():
     multihost_utils.sync_global_devices("stabledrl_jax: data prepared")
+  for name, split in (("train", train), ("test", test), ("train (SFT)", sft_train)):
+    if not len(split):
+      raise ValueError(f"task {c.task.name!r}: the {name} split is empty")
+  check_reward(t, reward, [split[i] for split in (train, test) for i in range(min(3, len(split)))])
   common = dict(max_prompt_len=c.task.max_prompt_len, style=c.task.prompt_style, chat=c.task.chat,
                 num_threads=1)
   sft_it = iter(pipeline.prompt_batches(t, sft_train, tokenizer, batch_size=c.sft.batch_size,
@@ -211,4 +233,4 @@ def data(c: ml_collections.ConfigDict, tokenizer, workdir: str, mesh=None) -> Da
   validation = [train[i] for i in range(max(0, len(train) - c.sft.validation_examples), len(train))
                 ] if c.sft.stop_at_accuracy else []
   return Data(t, tokenizer, sft_it, rl_it, [test[i] for i in range(min(len(test), c.eval.num_examples))],
-              validation, reward_fn, sft_rows, rl_rows)
+              validation, reward, sft_rows, rl_rows)

@@ -111,6 +111,9 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.task.prompt_field = "question"  # jsonl: the prompt's key in each record
   c.task.answer_field = "answer"    # jsonl: the gold answer's key
   c.task.checker = "number"         # jsonl: number | math | import path of a reward function
+  # A reward that is NaN, infinite or outside [0, 1]: "error" stops the run naming the example and
+  # completion; "clip" clips it to [0, 1] (NaN to 0) and counts it (metrics: invalid_rewards).
+  c.task.invalid_reward = "error"
 
   c.sft = ml_collections.ConfigDict()
   # At most; stopped at partial skill by sft.stop_at_accuracy (README: What RL does in the main

@@ -65,7 +65,8 @@ def evaluate(c, model, tokenizer, task, examples: list, *, k: int = 1, temperatu
   """`k` completions of each example with the config's evaluation sampler at `temperature`
   (`build.eval_sampling`), graded: `(figures, rows)`. Every process decodes its share of each
   batch and grades all of it, so all get the same figures."""
-  reward_fn = task.reward_fn(dict(c.task.reward_weights))
+  reward_fn = build.reward_fn(c, task)
+  invalid = reward_fn.invalid
   sampling = build.eval_sampling(c, temperature)
   stops = model.config.stop_token_ids
   per_batch = max(1, c.eval.batch_size // k)
@@ -86,8 +87,8 @@ def evaluate(c, model, tokenizer, task, examples: list, *, k: int = 1, temperatu
     forward_tokens += list(sharding.to_host(rollout.forward_tokens_B)[:n])
     for i, ex in enumerate(exs):
       outs = texts[i * k:(i + 1) * k]
-      ok = [bool(task.is_correct(t, ex)) for t in outs]
       scores = [float(reward_fn(t, ex)) for t in outs]
+      ok = [bool(task.is_correct(t, ex)) for t in outs]
       rewards.append(scores)
       correct.append(ok)
       lengths.append(lens[i].tolist())
@@ -100,6 +101,8 @@ def evaluate(c, model, tokenizer, task, examples: list, *, k: int = 1, temperatu
   figures = summarize(np.array(rewards), np.array(correct), np.array(lengths), time.time() - t0)
   figures.update(sampler=sampling.label, forwards=float(np.mean(forwards)),
                  forward_tokens=float(np.mean(forward_tokens)))
+  if reward_fn.invalid > invalid:  # task.invalid_reward=clip
+    figures["invalid_rewards"] = reward_fn.invalid - invalid
   return figures, rows
 
 
@@ -116,15 +119,18 @@ def main(argv):
   f = flags.FLAGS
   if f.num_samples < 1:
     cli.fail(f"--num_samples={f.num_samples}: must be >= 1")
+  if f.max_examples is not None and f.max_examples < 1:
+    cli.fail(f"--max_examples={f.max_examples}: must be >= 1 (leave it out to evaluate all)")
   out_dir = f.output_dir or workdir or "."
   try:
     model, tokenizer, step = cli.load_policy(c, workdir, f.step)
     task = build.task(c)
-    examples = build.held_out(c, task, os.path.join(out_dir, "data"))
+    examples = build.held_out(c, task, os.path.join(out_dir, "data"))[:f.max_examples]
+    if not examples:
+      raise ValueError(f"task {c.task.name!r}: the test split is empty")
+    build.check_reward(task, build.reward_fn(c, task), examples[:3])
   except (cli.PolicyError, ValueError, KeyError, OSError) as e:
-    cli.fail(str(e))
-  if f.max_examples:
-    examples = examples[:f.max_examples]
+    cli.fail(cli.error_text(e))
   k = f.num_samples
   temperature = f.temperature
   if temperature is None:

@@ -46,8 +46,13 @@ def _clean(v: Any) -> Any:
   if hasattr(v, "item"):
     v = v.item()
   if isinstance(v, float) and not math.isfinite(v):
-    return str(v)  # JSON has no nan/inf
+    return None  # JSON has no nan/inf: null, never a string
   return v
+
+
+def number(v: Any, spec: str = ".3f") -> str:
+  """A recorded figure for the console: `nan` for a null (a non-finite value) or a non-number."""
+  return format(v, spec) if isinstance(v, (int, float)) and not isinstance(v, bool) else "nan"
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:
@@ -193,7 +198,8 @@ def curve_panels(rows: list[dict], evals: list[dict]) -> list[tuple[str, list]]:
             and (stage is None or r.get("stage") == stage)]
   panels = [("SFT loss", points("loss", "sft")), ("RL loss", points("loss", "rl")),
             ("RL reward", points("reward_mean", "rl")), ("gradient norm", points("grad_norm")),
-            ("held-out mean reward", [(e["step"], e["mean_reward"]) for e in evals])]
+            ("held-out mean reward", [(e["step"], e["mean_reward"]) for e in evals
+                                      if isinstance(e.get("mean_reward"), (int, float))])]
   return [(title, pts) for title, pts in panels if pts]
 
 

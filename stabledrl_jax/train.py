@@ -203,9 +203,11 @@ def rl_step(r: Run, step: int, key) -> tuple[metrics.StepResult, list[detectors.
                                     fresh=step == sft_end)
   eps, lr_scale = r.controls.settings(step - sft_end)
   moves = r.settings.controls.moves_epsilon
+  invalid = getattr(r.data.reward_fn, "invalid", 0)
   result = rl.step(r.settings.rl, r.data, r.model, r.ref_model, r.optimizer, key,
                    eps if moves else None, lr_scale, r.rollout_mesh)
   record = result.record
+  record["invalid_rewards"] = getattr(r.data.reward_fn, "invalid", 0) - invalid
   r.controls.update(record)
   if moves:
     record.update(epsilon=eps, lr_scale=lr_scale)
@@ -214,6 +216,14 @@ def rl_step(r: Run, step: int, key) -> tuple[metrics.StepResult, list[detectors.
     record["events"] = [e.name for e in events]
     for e in events:
       distributed.log(f"stability event at step {step}: {e.message}")
+  notes = {"invalid_rewards": f"{record['invalid_rewards']} rewards were NaN, infinite or outside "
+                              "[0, 1], clipped (task.invalid_reward='clip')",
+           "skipped": f"{record.get('skipped', 0)} of {c.rl.updates_per_batch} updates skipped "
+                      "(a non-finite loss or gradient)"}
+  for name, message in notes.items():
+    if record.get(name):
+      record.setdefault("events", []).append(name)
+      distributed.log(f"event at step {step}: {message}")
   return result, events
 
 
@@ -254,8 +264,9 @@ def summary(r: Run, final: dict[str, float]) -> dict[str, Any]:
   evals = metrics.read_jsonl(os.path.join(r.workdir, "eval.jsonl"))
   before = next((e for e in evals if e["tag"] == "before RL"), None)
   if before is not None and r.config.rl.steps:
-    print(f"held-out before RL -> after RL: mean reward {before['mean_reward']:.3f} -> "
-          f"{final['mean_reward']:.3f}, accuracy {before['accuracy']:.3f} -> {final['accuracy']:.3f}",
+    f = metrics.number
+    print(f"held-out before RL -> after RL: mean reward {f(before['mean_reward'])} -> "
+          f"{f(final['mean_reward'])}, accuracy {f(before['accuracy'])} -> {f(final['accuracy'])}",
           flush=True)
   png = metrics.plot_curves(r.workdir)
   if png:

@@ -1,5 +1,6 @@
 """Tasks defined outside the package: by import path, and the generic JSONL task."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +9,7 @@ import ml_collections
 import pytest
 
 from stabledrl_jax import config_lib
-from stabledrl_jax.tasks import datasets, from_config, get_task
+from stabledrl_jax.tasks import base, datasets, from_config, get_task
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
@@ -125,3 +126,68 @@ def test_training_reads_a_jsonl_task_from_local_files(tmp_path):
   assert batch["prompt_ids_BxP"].shape == (2, 1000)
   gold = first["answer"].split("####")[-1].strip()
   assert data.reward_fn(f"<answer>{gold}</answer>", data.test[0]) == 1.0
+
+
+CHECKERS = """
+import math
+calls = [0]
+def nan_every_third(completion, example):
+  calls[0] += 1
+  return math.nan if calls[0] % 3 == 0 else 0.0
+def seven_and_a_half(completion, example):
+  return 7.5
+def none(completion, example):
+  return None
+def strict(completion, example):
+  return float(int(completion.split("<answer>")[1].split("</answer>")[0]) == int(example["answer"]))
+"""
+
+
+@pytest.fixture
+def checkers(tmp_path, monkeypatch):
+  (tmp_path / "checkers.py").write_text(CHECKERS)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  return tmp_path
+
+
+def test_invalid_rewards_fail_naming_task_example_and_completion(checkers):
+  ex = {"question": "9-4?", "answer": "5"}
+  seven = from_config(task_config(checker="checkers:seven_and_a_half"))
+  with pytest.raises(base.RewardError, match=r"task 'jsonl', reward 'correctness', example "
+                     r"\{'question': '9-4\?', 'answer': '5'\}, completion 'out': returned 7\.5, "
+                     r"outside \[0, 1\]"):
+    seven.reward("out", ex)
+  clipped = seven.reward_fn(on_invalid="clip")
+  assert clipped("out", ex) == 1.0 and clipped("out", ex) == 1.0 and clipped.invalid == 2
+  nan = from_config(task_config(checker="checkers:nan_every_third")).reward_fn(on_invalid="clip")
+  assert [nan("x", ex) for _ in range(3)] == [0.0, 0.0, 0.0] and nan.invalid == 1
+  none = from_config(task_config(checker="checkers:none")).reward_fn(on_invalid="clip")
+  with pytest.raises(base.RewardError, match="completion 'x': returned None, not a number"):
+    none("x", ex)  # a non-number is never clipped
+
+
+def test_a_bad_checker_is_found_by_grading_references_and_malformed_completions(checkers):
+  examples = [{"question": f"{i}+0?", "answer": str(i)} for i in range(3)]
+  task = from_config(task_config(checker="checkers:nan_every_third"))
+  with pytest.raises(base.RewardError, match="returned nan"):
+    base.check_reward(task, task.reward_fn(), examples)
+  task = from_config(task_config(checker="checkers:strict"))  # raises on a completion without tags
+  with pytest.raises(base.RewardError, match=r"completion '': raised IndexError"):
+    base.check_reward(task, task.reward_fn(), examples)
+  task = from_config(task_config())
+  assert base.check_reward(task, task.reward_fn(), examples) == (3, 3)  # references correct
+
+
+def test_main_stops_on_a_nan_checker_before_training(tmp_path, checkers):
+  data = tmp_path / "data"
+  data.mkdir()
+  for split in ("train", "test"):
+    write_jsonl(data / f"{split}.jsonl", [{"question": f"{i}", "answer": str(i)} for i in range(8)])
+  out = run_main(tmp_path / "run", "--config.task.name=jsonl", "--config.task.source=local",
+                 f"--config.task.source_dir={data}", "--config.task.checker=checkers:nan_every_third",
+                 pythonpath=str(checkers))
+  assert out.returncode == 1
+  assert re.fullmatch(r"error: task 'jsonl', reward 'correctness', example \{'question': '\d', "
+                      r"'answer': '\d'\}, completion .*: returned nan, outside \[0, 1\] .*",
+                      out.stderr.strip().splitlines()[-1])
+  assert not (tmp_path / "run" / "metrics.jsonl").exists()

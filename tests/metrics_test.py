@@ -11,12 +11,14 @@ from stabledrl_jax import metrics
 def test_records_arrive_in_order_after_flush(tmp_path):
   w = metrics.MetricsWriter(str(tmp_path), total_steps=50, resume_step=None)
   for s in range(50):
-    w.write(s, {"loss": 1.0 / (s + 1), "bad": float("nan")})
+    w.write(s, {"loss": 1.0 / (s + 1), "bad": float("nan"), "worse": float("-inf")})
   w.write(3, {"accuracy": 0.5}, eval_record=True)
   w.flush()
   rows = metrics.read_jsonl(w.path)
   assert [r["step"] for r in rows] == list(range(50))
-  assert rows[9]["loss"] == pytest.approx(0.1) and rows[0]["bad"] == "nan"
+  assert rows[9]["loss"] == pytest.approx(0.1) and rows[0]["bad"] is None
+  assert rows[0]["worse"] is None  # JSON null, never a string
+  assert metrics.number(rows[0]["bad"]) == "nan" and metrics.number(0.25) == "0.250"
   assert metrics.read_jsonl(w.eval_path) == [{"step": 3, "accuracy": 0.5}]
   w.close()
 
