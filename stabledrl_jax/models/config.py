@@ -3,8 +3,12 @@ import dataclasses
 from typing import Callable
 
 # "llada": LLaMA-like, full attention. "sdar": Qwen3, block diffusion. "dream": Qwen2.5-like
-# (biases on q/k/v), full attention, shifted prediction (Dream-v0-7B, DiffuCoder-7B).
-FAMILIES = ("llada", "sdar", "dream")
+# (biases on q/k/v), full attention, shifted prediction (Dream-v0-7B, DiffuCoder-7B). "llada2":
+# LLaDA2.0 (inclusionAI's llada2_moe), block diffusion, mixture of experts (`models.moe`), fused
+# query_key_value, q/k norm, partial rotary.
+FAMILIES = ("llada", "sdar", "dream", "llada2")
+# The families decoded and scored block by block (block-causal attention, the staircase likelihood).
+BLOCK_DIFFUSION = ("sdar", "llada2")
 
 
 # What a rematerialised block saves for the backward pass (`jax.checkpoint_policies`): nothing
@@ -13,7 +17,7 @@ FAMILIES = ("llada", "sdar", "dream")
 REMAT_POLICIES = ("nothing", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("dense", "blockwise")
 RUNTIME_OPTIONS = {"remat": False, "remat_policy": "nothing", "attention_impl": "dense",
-                   "attention_tile": 512}
+                   "attention_tile": 512, "train_router": False}
 
 
 def runtime_options(model_config_dict) -> dict:
@@ -50,6 +54,18 @@ class ModelConfig:
   remat_policy: str = "nothing"  # with remat, what a block keeps: REMAT_POLICIES
   attention_impl: str = "dense"  # "dense" (one masked softmax) or "blockwise" (key tiles)
   attention_tile: int = 512  # key positions per tile of the blockwise attention
+  # Mixture of experts (family llada2, `models.moe`), named as LLaDA2.0's config.json names them.
+  # num_experts 0: every layer is the dense SwiGLU of mlp_dim.
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  n_group: int = 1  # expert groups; the choice keeps the topk_group best of them
+  topk_group: int = 1
+  moe_intermediate_size: int = 0  # each expert's MLP width
+  num_shared_experts: int = 0  # one always-on SwiGLU of moe_intermediate_size x this
+  first_k_dense_replace: int = 0  # layers below this index stay dense (mlp_dim)
+  routed_scaling_factor: float = 1.0
+  partial_rotary_factor: float = 1.0  # RoPE on the first int(head_dim x this) dims of each head
+  train_router: bool = False  # RL/SFT update the router (the expert bias never has a gradient)
 
   def __post_init__(self):
     if self.family not in FAMILIES:
@@ -66,11 +82,57 @@ class ModelConfig:
       raise ValueError(f"attention_tile={self.attention_tile} must be >= 1")
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for rotate-half RoPE")
+    if self.rotary_dim % 2 or self.rotary_dim < 2:
+      raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} gives rotary_dim="
+                       f"{self.rotary_dim}; it must be even and >= 2")
+    self._check_moe()
     if self.family == "dream" and self.qk_norm:
       raise ValueError("family 'dream' has no q/k norm (Qwen2.5 attention); set qk_norm=False")
     if self.family == "dream" and self.head_dim * self.n_heads != self.d_model:
       raise ValueError(f"family 'dream' derives head_dim from d_model / n_heads: head_dim="
                        f"{self.head_dim} x n_heads={self.n_heads} != d_model={self.d_model}")
+
+  def _check_moe(self) -> None:
+    if self.num_experts < 0:
+      raise ValueError(f"num_experts={self.num_experts} must be >= 0 (0 = dense)")
+    if self.num_experts and self.family != "llada2":
+      raise ValueError(f"num_experts={self.num_experts}: family {self.family!r} has no mixture "
+                       "of experts (family llada2 has)")
+    if not self.num_experts:
+      return
+    e, k = self.num_experts, self.num_experts_per_tok
+    if not 1 <= k <= e:
+      raise ValueError(f"num_experts_per_tok={k} must lie in [1, num_experts={e}]")
+    if self.n_group < 1 or e % self.n_group:
+      raise ValueError(f"n_group={self.n_group} must divide num_experts={e}")
+    if e // self.n_group < 2:
+      raise ValueError(f"n_group={self.n_group} leaves {e // self.n_group} expert per group; a "
+                       "group is scored by its two best experts: at most num_experts / 2 groups")
+    if not 1 <= self.topk_group <= self.n_group:
+      raise ValueError(f"topk_group={self.topk_group} must lie in [1, n_group={self.n_group}]")
+    if k > self.topk_group * (e // self.n_group):
+      raise ValueError(f"num_experts_per_tok={k} exceeds the {self.topk_group * (e // self.n_group)}"
+                       f" experts of the topk_group={self.topk_group} kept groups")
+    if self.moe_intermediate_size < 1:
+      raise ValueError(f"moe_intermediate_size={self.moe_intermediate_size} must be >= 1")
+    if self.num_shared_experts < 0:
+      raise ValueError(f"num_shared_experts={self.num_shared_experts} must be >= 0")
+    if not 0 <= self.first_k_dense_replace <= self.n_layers:
+      raise ValueError(f"first_k_dense_replace={self.first_k_dense_replace} must lie in "
+                       f"[0, n_layers={self.n_layers}]")
+
+  @property
+  def rotary_dim(self) -> int:
+    """Dimensions of each head RoPE rotates (the first ones; the rest pass through)."""
+    return int(self.head_dim * self.partial_rotary_factor)
+
+  @property
+  def fused_qkv(self) -> bool:
+    """One `query_key_value` projection (LLaDA2.0) instead of q/k/v."""
+    return self.family == "llada2"
+
+  def is_moe_layer(self, layer: int) -> bool:
+    return self.num_experts > 0 and layer >= self.first_k_dense_replace
 
   @property
   def qkv_bias(self) -> bool:
@@ -89,8 +151,13 @@ class ModelConfig:
     d, h = self.d_model, self.head_dim
     attn = d * h * (2 * self.n_heads + 2 * self.n_kv_heads) + (2 * h if self.qk_norm else 0)
     attn += h * (self.n_heads + 2 * self.n_kv_heads) if self.qkv_bias else 0
-    block = attn + 3 * d * self.mlp_dim + 2 * d
-    return 2 * self.vocab_size * d + self.n_layers * block + d
+    dense, moe = 3 * d * self.mlp_dim, 0
+    if self.num_experts:
+      moe = (3 * d * self.moe_intermediate_size * (self.num_experts + self.num_shared_experts)
+             + d * self.num_experts + self.num_experts)
+    n_moe = sum(self.is_moe_layer(i) for i in range(self.n_layers))
+    blocks = self.n_layers * (attn + 2 * d) + (self.n_layers - n_moe) * dense + n_moe * moe
+    return 2 * self.vocab_size * d + blocks + d
 
 
 def replace(config: ModelConfig, **changes) -> ModelConfig:
@@ -167,6 +234,49 @@ def dream_7b(**changes) -> ModelConfig:
   return dataclasses.replace(base, **changes)
 
 
+def llada2_tiny(**changes) -> ModelConfig:
+  """CPU tests and the tiny main job of LLaDA2.0's architecture: 2 layers (the first dense),
+  8 experts in 4 groups (2 kept), 2 active, 1 shared, partial rotary; block diffusion."""
+  base = ModelConfig(
+      family="llada2", model_type="llada2_moe", vocab_size=128, d_model=64, n_layers=2,
+      n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=128, rope_theta=600000.0, norm_eps=1e-6,
+      qk_norm=True, mask_token_id=127, eos_token_id=1, pad_token_id=0, stop_token_ids=(1,),
+      block_size=4, max_seq_len=256, compute_dtype="float32", num_experts=8,
+      num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=32,
+      num_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+      partial_rotary_factor=0.5)
+  return dataclasses.replace(base, **changes)
+
+
+def _llada2(n_layers, d_model, n_heads, mlp_dim, moe_dim, changes) -> ModelConfig:
+  # inclusionAI/LLaDA2.0-mini's config.json (flash's differs in the arguments): head 128, 4 KV
+  # heads, 256 experts in 8 groups (4 kept), 8 active, 1 shared, first layer dense, scaling 2.5,
+  # sigmoid router, partial rotary 0.5, rope theta 600000, rms eps 1e-6, vocab 157184, 32768
+  # positions, untied head; eos = pad = 156892 and mask 156895 (the remote code's `generate`
+  # defaults); block 32 (`generate`'s block_length default).
+  base = ModelConfig(
+      family="llada2", model_type="llada2_moe", vocab_size=157184, d_model=d_model,
+      n_layers=n_layers, n_heads=n_heads, n_kv_heads=4, head_dim=128, mlp_dim=mlp_dim,
+      rope_theta=600000.0, norm_eps=1e-6, qk_norm=True, mask_token_id=156895,
+      eos_token_id=156892, pad_token_id=156892, stop_token_ids=(156892,), block_size=32,
+      max_seq_len=32768, num_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4,
+      moe_intermediate_size=moe_dim, num_shared_experts=1, first_k_dense_replace=1,
+      routed_scaling_factor=2.5, partial_rotary_factor=0.5)
+  return dataclasses.replace(base, **changes)
+
+
+def llada2_mini(**changes) -> ModelConfig:
+  """inclusionAI/LLaDA2.0-mini (16B, 1.4B active): 20 x 2048, 16/4 heads, dense MLP 5120,
+  expert MLP 512."""
+  return _llada2(20, 2048, 16, 5120, 512, changes)
+
+
+def llada2_flash(**changes) -> ModelConfig:
+  """inclusionAI/LLaDA2.0-flash (100B, 6.1B active): 32 x 4096, 32/4 heads, dense MLP 9216,
+  expert MLP 1024."""
+  return _llada2(32, 4096, 32, 9216, 1024, changes)
+
+
 def family_options(family: str) -> dict:
   """The architecture fields a family fixes, for building a config of another preset's shapes
   (e.g. `tiny(**family_options("dream"))`): model_type, q/k norm, and no block for the full
@@ -176,12 +286,14 @@ def family_options(family: str) -> dict:
   return {"llada": dict(family="llada", model_type="llada", qk_norm=False, block_size=None),
           "sdar": dict(family="sdar", model_type="sdar", qk_norm=True),
           "dream": dict(family="dream", model_type="Dream", qk_norm=False, block_size=None),
+          "llada2": dict(family="llada2", model_type="llada2_moe", qk_norm=True),
           }[family]
 
 
 PRESETS: dict[str, Callable[..., ModelConfig]] = {
     "tiny": tiny, "bench_100m": bench_100m, "llada_8b": llada_8b,
     "sdar_1p7b": sdar_1p7b, "sdar_4b": sdar_4b, "sdar_8b": sdar_8b, "dream_7b": dream_7b,
+    "llada2_tiny": llada2_tiny, "llada2_mini": llada2_mini, "llada2_flash": llada2_flash,
 }
 
 

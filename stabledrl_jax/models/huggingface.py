@@ -1,5 +1,6 @@
-"""Hugging Face checkpoints <-> the NNX transformer: LLaDA, SDAR, Qwen3 (docs/method.md §6) and
-Dream (Dream-org/Dream-v0-Instruct-7B's format: model_type "Dream", Qwen2 tensor names).
+"""Hugging Face checkpoints <-> the NNX transformer: LLaDA, SDAR, Qwen3 (docs/method.md §6),
+Dream (Dream-org/Dream-v0-Instruct-7B's format: model_type "Dream", Qwen2 tensor names) and
+LLaDA2.0 (inclusionAI's format: model_type "llada2_moe", one tensor per expert).
 
 Loading reads `config.json`, builds the model abstractly (no parameter memory), then streams
 the safetensors tensor by tensor into (sharded) device arrays: the host holds one tensor (or,
@@ -20,14 +21,29 @@ from stabledrl_jax.models import safetensors_io
 from stabledrl_jax.models.config import ModelConfig
 from stabledrl_jax.models.transformer import Transformer
 
-FAMILY_OF_MODEL_TYPE = {"llada": "llada", "sdar": "sdar", "qwen3": "sdar", "Dream": "dream"}
+FAMILY_OF_MODEL_TYPE = {"llada": "llada", "sdar": "sdar", "qwen3": "sdar", "Dream": "dream",
+                        "llada2_moe": "llada2"}
 # DreamConfig's defaults: the released code reads them when config.json omits the key.
 DREAM_DEFAULTS = {"mask_token_id": 151666, "pad_token_id": 151643, "num_key_value_heads": 32,
                   "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768}
 DREAM_AUTO_MAP = {"AutoConfig": "configuration_dream.DreamConfig",
                   "AutoModel": "modeling_dream.DreamModel"}
-# Logical axis -> mesh axis (issue 7 names: data, fsdp, tensor); unknown mesh axes are skipped.
-DEFAULT_RULES = {"embed": "fsdp", "heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
+LLADA2_AUTO_MAP = {"AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
+                   "AutoModel": "modeling_llada2_moe.LLaDA2MoeModel",
+                   "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM"}
+# LLaDA2MoeConfig's defaults that change the architecture, read where config.json omits the key
+# (configuration_llada2_moe.py); q/k norm is on where the key is absent (the first remote code
+# applied it unconditionally).
+LLADA2_DEFAULTS = {"use_qkv_bias": False, "use_bias": True, "use_qk_norm": True,
+                   "num_shared_experts": 0, "n_group": 8, "topk_group": 4,
+                   "routed_scaling_factor": 2.5, "first_k_dense_replace": 0,
+                   "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                   "max_position_embeddings": 16384, "score_function": "sigmoid",
+                   "norm_topk_prob": True, "hidden_act": "silu"}
+# Logical axis -> mesh axis (issue 7 names: data, fsdp, tensor; expert); unknown mesh axes are
+# skipped.
+DEFAULT_RULES = {"embed": "fsdp", "heads": "tensor", "mlp": "tensor", "vocab": "tensor",
+                 "expert": "expert"}
 
 
 class CheckpointError(ValueError):
@@ -40,6 +56,7 @@ class WeightSpec:
   hf_name: str
   transpose: bool  # torch Linear stores (out, in); our kernels are (in, out)
   logical_axes: tuple  # of the model-side array
+  index: int | None = None  # the model array is stacked: this tensor is its slice [index]
 
 
 def _get(c: dict, *keys, default=None):
@@ -84,6 +101,41 @@ def _dream_config(hf: dict, dtypes: dict) -> ModelConfig:
       max_seq_len=dflt["max_position_embeddings"], **dtypes)
 
 
+def _llada2_config(hf: dict, dtypes: dict) -> ModelConfig:
+  """LLaDA2.0's config.json (`LLADA2_DEFAULTS` where a key is absent). Refused: what the released
+  code computes and this model does not (biases, other router scores, unnormalised weights)."""
+  c = {k: hf.get(k, v) for k, v in LLADA2_DEFAULTS.items()}
+  for key, ok in (("use_qkv_bias", False), ("use_bias", False), ("score_function", "sigmoid"),
+                  ("norm_topk_prob", True), ("hidden_act", "silu")):
+    if c[key] != ok:
+      raise ValueError(f"LLaDA2 config {key}={c[key]!r} is not supported (only {ok!r})")
+  rope = hf.get("rope_scaling") or {}
+  if rope.get("rope_type", rope.get("type", "default")) != "default":
+    raise ValueError(f"LLaDA2 rope_scaling {rope!r} is not supported")
+  d, heads = hf["hidden_size"], hf["num_attention_heads"]
+  eos = hf.get("eos_token_id", hf.get("pad_token_id"))
+  eos_list = [t for t in (eos if isinstance(eos, (list, tuple)) else [eos]) if t is not None]
+  experts = hf.get("num_experts") or 0
+  return ModelConfig(
+      family="llada2", model_type="llada2_moe", vocab_size=hf["vocab_size"], d_model=d,
+      n_layers=hf["num_hidden_layers"], n_heads=heads,
+      n_kv_heads=hf.get("num_key_value_heads") or heads,
+      head_dim=hf.get("head_dim") or d // heads, mlp_dim=hf["intermediate_size"],
+      rope_theta=float(c["rope_theta"]), norm_eps=float(c["rms_norm_eps"]),
+      qk_norm=bool(c["use_qk_norm"]), mask_token_id=hf.get("mask_token_id", 156895),
+      eos_token_id=eos_list[0] if eos_list else None, pad_token_id=hf.get("pad_token_id"),
+      stop_token_ids=tuple(eos_list), block_size=hf.get("block_size", 32),
+      tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      max_seq_len=c["max_position_embeddings"], num_experts=experts,
+      num_experts_per_tok=hf.get("num_experts_per_tok", 0) if experts else 0,
+      n_group=c["n_group"] if experts else 1, topk_group=c["topk_group"] if experts else 1,
+      moe_intermediate_size=hf.get("moe_intermediate_size") or 0,
+      num_shared_experts=c["num_shared_experts"] or 0,
+      first_k_dense_replace=c["first_k_dense_replace"],
+      routed_scaling_factor=float(c["routed_scaling_factor"]),
+      partial_rotary_factor=float(c["partial_rotary_factor"]), **dtypes)
+
+
 def config_from_hf(hf: dict, *, compute_dtype: str = "bfloat16",
                    param_dtype: str = "float32") -> ModelConfig:
   """ModelConfig from a Hugging Face config.json dict (LLaDA, SDAR, Qwen3 or Dream keys)."""
@@ -93,6 +145,8 @@ def config_from_hf(hf: dict, *, compute_dtype: str = "bfloat16",
   dtypes = dict(compute_dtype=compute_dtype, param_dtype=param_dtype)
   if model_type == "Dream":
     return _dream_config(hf, dtypes)
+  if model_type == "llada2_moe":
+    return _llada2_config(hf, dtypes)
   if model_type == "llada":
     for key, ok in (("include_bias", False), ("include_qkv_bias", False),
                     ("attention_layer_norm", False), ("alibi", False)):
@@ -155,11 +209,46 @@ def _dream_config_to_hf(cfg: ModelConfig, dtype: str) -> dict:
   return out
 
 
+def _with_mask_and_block(out: dict, cfg: ModelConfig) -> dict:
+  """The block-diffusion families' extra keys (mask token, block), where the config has them."""
+  if cfg.mask_token_id is not None:
+    out["mask_token_id"] = cfg.mask_token_id
+  if cfg.block_size is not None:
+    out["block_size"] = cfg.block_size
+  return out
+
+
+def _llada2_config_to_hf(cfg: ModelConfig, dtype: str) -> dict:
+  """The keys of LLaDA2.0-mini's config.json (`auto_map` to the released remote code)."""
+  out = {
+      "architectures": ["LLaDA2MoeModelLM"], "auto_map": dict(LLADA2_AUTO_MAP),
+      "model_type": "llada2_moe", "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+      "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.n_layers,
+      "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+      "head_dim": cfg.head_dim, "hidden_act": "silu", "use_qkv_bias": False, "use_bias": False,
+      "use_qk_norm": cfg.qk_norm, "rms_norm_eps": cfg.norm_eps, "norm_head": False,
+      "tie_word_embeddings": False, "initializer_range": 0.02,
+      "max_position_embeddings": cfg.max_seq_len, "rope_theta": cfg.rope_theta,
+      "rope_scaling": None, "partial_rotary_factor": cfg.partial_rotary_factor,
+      "num_experts": cfg.num_experts or None,
+      "num_experts_per_tok": cfg.num_experts_per_tok, "num_shared_experts": cfg.num_shared_experts,
+      "n_group": cfg.n_group, "topk_group": cfg.topk_group,
+      "moe_intermediate_size": cfg.moe_intermediate_size,
+      "first_k_dense_replace": cfg.first_k_dense_replace,
+      "routed_scaling_factor": cfg.routed_scaling_factor, "score_function": "sigmoid",
+      "norm_topk_prob": True, "moe_router_enable_expert_bias": True, "router_dtype": "fp32",
+      "output_router_logits": False, "use_cache": False, "pad_token_id": cfg.pad_token_id,
+      "eos_token_id": cfg.eos_token_id, "torch_dtype": dtype, "dtype": dtype}
+  return _with_mask_and_block(out, cfg)
+
+
 def config_to_hf(cfg: ModelConfig) -> dict:
   """config.json dict that `config_from_hf` (and the family's own code) reads back."""
   dtype = {"float32": "float32", "bfloat16": "bfloat16"}.get(cfg.param_dtype, cfg.param_dtype)
   if cfg.family == "dream":
     return _dream_config_to_hf(cfg, dtype)
+  if cfg.family == "llada2":
+    return _llada2_config_to_hf(cfg, dtype)
   if cfg.family == "llada":
     return {
         "model_type": "llada", "architectures": ["LLaDAModelLM"], "d_model": cfg.d_model,
@@ -183,11 +272,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
       "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu", "attention_bias": False,
       "tie_word_embeddings": False, "eos_token_id": eos, "pad_token_id": cfg.pad_token_id,
       "max_position_embeddings": cfg.max_seq_len, "torch_dtype": dtype, "dtype": dtype}
-  if cfg.mask_token_id is not None:
-    out["mask_token_id"] = cfg.mask_token_id
-  if cfg.block_size is not None:
-    out["block_size"] = cfg.block_size
-  return out
+  return _with_mask_and_block(out, cfg)
 
 
 _NORM, _LIN_IN, _LIN_OUT = ("norm",), ("embed", "heads"), ("heads", "embed")
@@ -224,6 +309,44 @@ _QWEN_LAYER_NAMES = {
     "k_bias": "self_attn.k_proj.bias", "v_bias": "self_attn.v_proj.bias"}
 
 
+_LLADA2_LAYER_NAMES = {
+    "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
+    "o_proj": "attention.dense.weight", "q_norm": "attention.query_layernorm.weight",
+    "k_norm": "attention.key_layernorm.weight", "gate_proj": "mlp.gate_proj.weight",
+    "up_proj": "mlp.up_proj.weight", "down_proj": "mlp.down_proj.weight"}
+_EXPERT_AXES = {"gate": ("expert", "embed", "mlp"), "up": ("expert", "embed", "mlp"),
+                "down": ("expert", "mlp", "embed")}
+
+
+def _llada2_layer_specs(cfg: ModelConfig, i: int) -> list[WeightSpec]:
+  """One LLaDA2.0 layer: fused query_key_value; a dense MLP, or the router (gate.weight
+  [experts, hidden], its expert_bias buffer), one tensor per expert projection and the shared
+  experts."""
+  prefix = f"model.layers.{i}."
+  keys = ["attn_norm", "mlp_norm", "o_proj"] + (["q_norm", "k_norm"] if cfg.qk_norm else [])
+  moe = cfg.is_moe_layer(i)
+  keys += [] if moe else ["gate_proj", "up_proj", "down_proj"]
+  specs = [WeightSpec(("blocks", i) + _LAYER_PARAMS[k][0], prefix + _LLADA2_LAYER_NAMES[k],
+                      _LAYER_PARAMS[k][1], _LAYER_PARAMS[k][2]) for k in keys]
+  specs.append(WeightSpec(("blocks", i, "attn", "qkv_proj", "kernel"),
+                          prefix + "attention.query_key_value.weight", True, _LIN_IN))
+  if not moe:
+    return specs
+  m = ("blocks", i, "moe")
+  specs += [WeightSpec(m + ("router",), prefix + "mlp.gate.weight", True, ("embed", None)),
+            WeightSpec(m + ("expert_bias",), prefix + "mlp.gate.expert_bias", False, (None,))]
+  for e in range(cfg.num_experts):
+    for proj in ("gate", "up", "down"):
+      specs.append(WeightSpec(m + (f"{proj}_kernel",),
+                              f"{prefix}mlp.experts.{e}.{proj}_proj.weight", True,
+                              _EXPERT_AXES[proj], index=e))
+  if cfg.num_shared_experts:
+    for proj, axes in (("gate_proj", _MLP_IN), ("up_proj", _MLP_IN), ("down_proj", _MLP_OUT)):
+      specs.append(WeightSpec(m + ("shared_experts", proj, "kernel"),
+                              f"{prefix}mlp.shared_experts.{proj}.weight", True, axes))
+  return specs
+
+
 def _layer_keys(cfg: ModelConfig) -> list[str]:
   """The parameters of one block, in the order they are written."""
   keys = ["attn_norm", "mlp_norm", "q_proj", "k_proj", "v_proj", "o_proj"]
@@ -235,6 +358,14 @@ def _layer_keys(cfg: ModelConfig) -> list[str]:
 def weight_specs(cfg: ModelConfig) -> list[WeightSpec]:
   """Every parameter with its Hugging Face name (docs/method.md §6 tables; Dream's are the
   Qwen2 names, with the q/k/v biases)."""
+  if cfg.family == "llada2":
+    specs = [WeightSpec(("embed", "embedding"), "model.word_embeddings.weight", False,
+                        ("vocab", "embed")),
+             WeightSpec(("final_norm", "scale"), "model.norm.weight", False, _NORM),
+             WeightSpec(("head", "kernel"), "lm_head.weight", True, ("embed", "vocab"))]
+    for i in range(cfg.n_layers):
+      specs += _llada2_layer_specs(cfg, i)
+    return specs
   if cfg.family == "llada":
     p = "model.transformer."
     top = [WeightSpec(("embed", "embedding"), p + "wte.weight", False, ("vocab", "embed")),
@@ -258,7 +389,11 @@ def weight_specs(cfg: ModelConfig) -> list[WeightSpec]:
 def generation_config_to_hf(cfg: ModelConfig) -> dict | None:
   """generation_config.json for an export with no source checkpoint, where the family's own
   code needs one: Dream's loader reads it into its DreamGenerationConfig (the released keys and
-  defaults: `origin` remasking, 512 steps, eps 1e-3, greedy). None for the other families."""
+  defaults: `origin` remasking, 512 steps, eps 1e-3, greedy); LLaDA2.0's, the ids its
+  `generate` reads (eos, pad, mask). None for the other families."""
+  if cfg.family == "llada2":
+    return {"_from_model_config": True, "eos_token_id": cfg.eos_token_id,
+            "pad_token_id": cfg.pad_token_id, "mask_token_id": cfg.mask_token_id}
   if cfg.family != "dream":
     return None
   return {"_from_model_config": True, "alg": "origin", "alg_temp": None,
@@ -402,7 +537,23 @@ def load_pretrained(hf_dir: str, *, dtype: str = "bfloat16", param_dtype: str = 
   cfg = dataclasses.replace(cfg, **(options or {}))
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   reader = safetensors_io.Reader(hf_dir)
-  for spec in weight_specs(cfg):
+  specs = weight_specs(cfg)
+  stacked = {}  # path -> its per-slice specs (LLaDA2.0's experts)
+  for spec in specs:
+    if spec.index is not None:
+      stacked.setdefault(spec.path, []).append(spec)
+  for path, parts in stacked.items():
+    variable = _variable(model, path)
+    shape = tuple(variable.get_value().shape)
+    host = np.empty(shape, param_dtype)
+    for spec in parts:
+      host[spec.index] = _read_checked(reader, spec, shape[1:], hf_dir).astype(param_dtype)
+    value = (jax.device_put(host) if mesh is None else jax.device_put(
+        host, param_sharding(mesh, parts[0].logical_axes, shape, rules)))
+    variable.set_value(value)
+  for spec in specs:
+    if spec.index is not None:
+      continue
     variable = _variable(model, spec.path)
     shape = tuple(variable.get_value().shape)
     hf_name = spec.hf_name
@@ -423,6 +574,18 @@ def load_pretrained(hf_dir: str, *, dtype: str = "bfloat16", param_dtype: str = 
           sharding=param_sharding(mesh, spec.logical_axes, shape, rules))
     variable.set_value(value)
   return model, cfg
+
+
+def _read_checked(reader, spec: WeightSpec, shape: tuple, hf_dir: str) -> np.ndarray:
+  """One tensor in the model's layout (transposed where the spec says), its shape checked."""
+  if spec.hf_name not in reader:
+    raise CheckpointError(f"missing tensor {spec.hf_name!r} in {hf_dir}")
+  want = shape[::-1] if spec.transpose else shape
+  if reader.shape(spec.hf_name) != want:
+    raise CheckpointError(f"tensor {spec.hf_name!r} has shape {reader.shape(spec.hf_name)}, "
+                          f"expected {want}")
+  host = reader.read(spec.hf_name)
+  return host.T if spec.transpose else host
 
 
 class ExportError(ValueError):
@@ -451,15 +614,19 @@ def export_pretrained(model: Transformer, out_dir: str, *, dtype: str | None = N
   tensors = []
   for name, spec in specs.items():
     shape = tuple(_variable(model, spec.path).get_value().shape)
+    shape = shape[1:] if spec.index is not None else shape
     tensors.append((name, shape[::-1] if spec.transpose else shape, dtype))
 
   def fetch(name: str) -> np.ndarray:
-    value = _variable(model, specs[name].path).get_value()
+    spec = specs[name]
+    value = _variable(model, spec.path).get_value()
+    if spec.index is not None:
+      value = value[spec.index]
     if not value.is_fully_addressable:
       from jax.experimental import multihost_utils
       value = multihost_utils.process_allgather(value, tiled=True)
     host = np.asarray(jax.device_get(value))
-    return host.T if specs[name].transpose else host
+    return host.T if spec.transpose else host
 
   if jax.process_index() != 0:
     for name, _, _ in tensors:  # every process joins the gathers

@@ -1,5 +1,6 @@
-"""One configurable NNX transformer for every family: LLaDA (LLaMA-like), SDAR (Qwen3) and Dream
-(Qwen2.5: biases on q/k/v, full attention, shifted prediction).
+"""One configurable NNX transformer for every family: LLaDA (LLaMA-like), SDAR (Qwen3), Dream
+(Qwen2.5: biases on q/k/v, full attention, shifted prediction) and LLaDA2.0 (fused q/k/v, partial
+rotary, mixture-of-experts layers after the first `first_k_dense_replace`: `models.moe`).
 
 Float32 parameters, `config.compute_dtype` activations, float32 logits. Entry points:
 `logits` (full / block-causal), `staircase_logits` (dual stream, docs/method.md §4) and `cached_logits`
@@ -20,6 +21,7 @@ from flax import nnx
 from stabledrl_jax.models import attention as attn_lib
 from stabledrl_jax.models.blockwise_attention import blockwise_attention
 from stabledrl_jax.models.config import ModelConfig
+from stabledrl_jax.models.moe import MoE
 
 _INIT = nnx.initializers.normal(0.02)
 
@@ -45,13 +47,16 @@ def rope_cos_sin(positions_BxL: jax.Array, head_dim: int, theta: float):
   return jnp.cos(angle_BxLxH), jnp.sin(angle_BxLxH)
 
 
-def apply_rope(x_BxLxNxH: jax.Array, cos_BxLxH: jax.Array, sin_BxLxH: jax.Array) -> jax.Array:
-  """Rotate pairs (i, i + H/2) by the position angle (the Hugging Face / LLaMA convention)."""
+def apply_rope(x_BxLxNxH: jax.Array, cos_BxLxR: jax.Array, sin_BxLxR: jax.Array) -> jax.Array:
+  """Rotate pairs (i, i + R/2) of the first R dims by the position angle (the Hugging Face /
+  LLaMA convention); dims from R on pass through (partial rotary, R < H)."""
+  r = cos_BxLxR.shape[-1]
   x = x_BxLxNxH.astype(jnp.float32)
-  x1, x2 = jnp.split(x, 2, axis=-1)
+  x_rot, x_pass = x[..., :r], x[..., r:]
+  x1, x2 = jnp.split(x_rot, 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], axis=-1)
-  out = x * cos_BxLxH[:, :, None, :] + rotated * sin_BxLxH[:, :, None, :]
-  return out.astype(x_BxLxNxH.dtype)
+  out = x_rot * cos_BxLxR[:, :, None, :] + rotated * sin_BxLxR[:, :, None, :]
+  return jnp.concatenate([out, x_pass], axis=-1).astype(x_BxLxNxH.dtype)
 
 
 class Linear(nnx.Linear):
@@ -83,9 +88,13 @@ class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     self.attention_tile = cfg.attention_tile
-    self.q_proj = _linear(cfg.d_model, cfg.n_heads * cfg.head_dim, cfg, rngs, cfg.qkv_bias)
-    self.k_proj = _linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg, rngs, cfg.qkv_bias)
-    self.v_proj = _linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg, rngs, cfg.qkv_bias)
+    if cfg.fused_qkv:  # LLaDA2.0's query_key_value: [q heads | k heads | v heads] x head_dim
+      self.qkv_proj = _linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim,
+                              cfg, rngs)
+    else:
+      self.q_proj = _linear(cfg.d_model, cfg.n_heads * cfg.head_dim, cfg, rngs, cfg.qkv_bias)
+      self.k_proj = _linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg, rngs, cfg.qkv_bias)
+      self.v_proj = _linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg, rngs, cfg.qkv_bias)
     self.o_proj = _linear(cfg.n_heads * cfg.head_dim, cfg.d_model, cfg, rngs)
     self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, param_dtype=cfg.param_dtype) if cfg.qk_norm else None
     self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, param_dtype=cfg.param_dtype) if cfg.qk_norm else None
@@ -95,9 +104,14 @@ class Attention(nnx.Module):
     b, t, d = x_BxTxD.shape
     # Projections on [B*T, D]: XLA:CPU then computes weight gradients without transposes.
     x_MxD = x_BxTxD.reshape(b * t, d)
-    q_BxTxNxH = self.q_proj(x_MxD).reshape(b, t, self.n_heads, self.head_dim)
-    k_BxTxKxH = self.k_proj(x_MxD).reshape(b, t, self.n_kv_heads, self.head_dim)
-    v_BxTxKxH = self.v_proj(x_MxD).reshape(b, t, self.n_kv_heads, self.head_dim)
+    n, kv = self.n_heads, self.n_kv_heads
+    if hasattr(self, "qkv_proj"):
+      qkv_BxTxJxH = self.qkv_proj(x_MxD).reshape(b, t, n + 2 * kv, self.head_dim)
+      q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = jnp.split(qkv_BxTxJxH, [n, n + kv], axis=2)
+    else:
+      q_BxTxNxH = self.q_proj(x_MxD).reshape(b, t, n, self.head_dim)
+      k_BxTxKxH = self.k_proj(x_MxD).reshape(b, t, kv, self.head_dim)
+      v_BxTxKxH = self.v_proj(x_MxD).reshape(b, t, kv, self.head_dim)
     if self.q_norm is not None:
       q_BxTxNxH, k_BxTxKxH = self.q_norm(q_BxTxNxH), self.k_norm(k_BxTxKxH)
     q_BxTxNxH = apply_rope(q_BxTxNxH, cos_BxTxH, sin_BxTxH)
@@ -119,23 +133,44 @@ class Attention(nnx.Module):
     return out_MxD.reshape(b, t, d), new_kv
 
 
-class Block(nnx.Module):
-  """Pre-norm residual block: attention then SwiGLU MLP."""
+class SwiGLU(nnx.Module):
+  """down(silu(gate(x)) * up(x))."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, width: int, *, rngs: nnx.Rngs):
+    self.gate_proj = _linear(cfg.d_model, width, cfg, rngs)
+    self.up_proj = _linear(cfg.d_model, width, cfg, rngs)
+    self.down_proj = _linear(width, cfg.d_model, cfg, rngs)
+
+  def __call__(self, y_MxD: jax.Array) -> jax.Array:
+    return self.down_proj(jax.nn.silu(self.gate_proj(y_MxD)) * self.up_proj(y_MxD))
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: attention then a SwiGLU MLP, or a mixture of experts (layer
+  `layer` of a config with `is_moe_layer(layer)`)."""
+
+  def __init__(self, cfg: ModelConfig, layer: int = 0, *, rngs: nnx.Rngs):
     self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=cfg.param_dtype)
     self.attn = Attention(cfg, rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=cfg.param_dtype)
-    self.gate_proj = _linear(cfg.d_model, cfg.mlp_dim, cfg, rngs)
-    self.up_proj = _linear(cfg.d_model, cfg.mlp_dim, cfg, rngs)
-    self.down_proj = _linear(cfg.mlp_dim, cfg.d_model, cfg, rngs)
+    if cfg.is_moe_layer(layer):
+      shared = (SwiGLU(cfg, cfg.moe_intermediate_size * cfg.num_shared_experts, rngs=rngs)
+                if cfg.num_shared_experts else None)
+      self.moe = MoE(cfg, rngs=rngs, shared_mlp=shared)
+    else:
+      self.gate_proj = _linear(cfg.d_model, cfg.mlp_dim, cfg, rngs)
+      self.up_proj = _linear(cfg.d_model, cfg.mlp_dim, cfg, rngs)
+      self.down_proj = _linear(cfg.mlp_dim, cfg.d_model, cfg, rngs)
 
   def __call__(self, x_BxTxD, cos_BxTxH, sin_BxTxH, mask_Bx1xTxS, past_kv=None):
     h_BxTxD, new_kv = self.attn(self.attn_norm(x_BxTxD), cos_BxTxH, sin_BxTxH, mask_Bx1xTxS, past_kv)
     x_BxTxD = x_BxTxD + h_BxTxD
     b, t, d = x_BxTxD.shape
     y_MxD = self.mlp_norm(x_BxTxD).reshape(b * t, d)
-    mlp_MxD = self.down_proj(jax.nn.silu(self.gate_proj(y_MxD)) * self.up_proj(y_MxD))
+    if hasattr(self, "moe"):
+      mlp_MxD, _ = self.moe(y_MxD)
+    else:
+      mlp_MxD = self.down_proj(jax.nn.silu(self.gate_proj(y_MxD)) * self.up_proj(y_MxD))
     return x_BxTxD + mlp_MxD.reshape(b, t, d), new_kv
 
 
@@ -216,7 +251,7 @@ class Transformer(nnx.Module):
     self.config = cfg
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.compute_dtype,
                            param_dtype=cfg.param_dtype, embedding_init=_INIT, rngs=rngs)
-    self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+    self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.n_layers)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=cfg.param_dtype)
     self.head = Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype,
                        param_dtype=cfg.param_dtype, kernel_init=_INIT, rngs=rngs)
@@ -225,7 +260,7 @@ class Transformer(nnx.Module):
     """Final-normed hidden states and the per-layer (k, v) of these tokens."""
     cfg = self.config
     x_BxTxD = self.embed(ids_BxT)
-    cos, sin = rope_cos_sin(positions_BxT, cfg.head_dim, cfg.rope_theta)
+    cos, sin = rope_cos_sin(positions_BxT, cfg.rotary_dim, cfg.rope_theta)
     run = (functools.partial(_run_block_remat, policy=cfg.remat_policy) if cfg.remat
            else _run_block)
     new_kvs = []

@@ -1,0 +1,103 @@
+"""Mixture-of-experts feed-forward layer of LLaDA2.0 (inclusionAI's `llada2_moe`): group-limited
+top-k routing with an expert bias, dropless grouped matmuls, shared experts.
+
+The routing, as the released remote code computes it (`modeling_llada2_moe.py`):
+  scores   = sigmoid(x W_router), in float32
+  choice   = scores + expert_bias                  (the bias only moves the choice)
+  a group's score = the sum of its two best `choice` entries; keep the `topk_group` best groups
+  experts  = the `num_experts_per_tok` best `choice` entries inside the kept groups
+  weights  = the chosen experts' `scores` / their sum (+1e-20; k = 1: unnormalised)
+             * routed_scaling_factor
+Ties go to the lower index (`jax.lax.top_k`'s order; torch's `topk` leaves it unspecified).
+
+The experts run dropless: each token's k assignments are sorted by expert and every expert's
+rows go through one `jax.lax.ragged_dot`, so the work is that of the active experts only and no
+token is dropped for capacity. Routing replay (RL): `route_experts` takes the experts chosen by
+an earlier forward (`forced_MxK`) and recomputes only their weights.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Array = jax.Array
+
+
+class RouterParam(nnx.Param):
+  """The router's weights and expert bias: frozen unless `ModelConfig.train_router` (the bias has
+  no gradient in any case: it only moves the discrete choice)."""
+
+
+def route_experts(logits_MxE: Array, expert_bias_E: Array, *, k: int, n_group: int,
+                  topk_group: int, scaling: float,
+                  forced_MxK: Array | None = None) -> tuple[Array, Array]:
+  """`(experts [M, k] int32, weights [M, k] float32)` of each token (module docstring)."""
+  m, e = logits_MxE.shape
+  scores_MxE = jax.nn.sigmoid(logits_MxE.astype(jnp.float32))
+  if forced_MxK is None:
+    choice_MxE = scores_MxE + expert_bias_E.astype(jnp.float32)
+    group_MxGxS = choice_MxE.reshape(m, n_group, e // n_group)
+    group_score_MxG = jnp.sum(jax.lax.top_k(group_MxGxS, 2)[0], axis=-1)
+    _, kept_MxT = jax.lax.top_k(group_score_MxG, topk_group)
+    keep_MxG = jnp.any(jax.nn.one_hot(kept_MxT, n_group, dtype=bool), axis=1)
+    keep_MxE = jnp.repeat(keep_MxG, e // n_group, axis=1)
+    _, experts_MxK = jax.lax.top_k(jnp.where(keep_MxE, choice_MxE, -jnp.inf), k)
+  else:
+    experts_MxK = forced_MxK
+  experts_MxK = experts_MxK.astype(jnp.int32)
+  weights_MxK = jnp.take_along_axis(scores_MxE, experts_MxK, axis=-1)
+  if k > 1:
+    weights_MxK = weights_MxK / (jnp.sum(weights_MxK, axis=-1, keepdims=True) + 1e-20)
+  return experts_MxK, weights_MxK * scaling
+
+
+def grouped_swiglu(x_MxD: Array, experts_MxK: Array, weights_MxK: Array, gate_ExDxF: Array,
+                   up_ExDxF: Array, down_ExFxD: Array) -> Array:
+  """Σ_k weight_k · SwiGLU_{expert_k}(x) per token, dropless: the M·k assignments sorted by
+  expert, one grouped matmul per projection (`jax.lax.ragged_dot`), then unsorted. float32 sum."""
+  m, d = x_MxD.shape
+  k = experts_MxK.shape[1]
+  e = gate_ExDxF.shape[0]
+  flat_N = experts_MxK.reshape(-1)
+  order_N = jnp.argsort(flat_N, stable=True)
+  sizes_E = jnp.bincount(flat_N, length=e).astype(jnp.int32)
+  x_NxD = x_MxD[order_N // k]
+  dtype = x_MxD.dtype
+  h_NxF = (jax.nn.silu(jax.lax.ragged_dot(x_NxD, gate_ExDxF.astype(dtype), sizes_E))
+           * jax.lax.ragged_dot(x_NxD, up_ExDxF.astype(dtype), sizes_E))
+  y_NxD = jax.lax.ragged_dot(h_NxF, down_ExFxD.astype(dtype), sizes_E)
+  y_MxKxD = jnp.zeros_like(y_NxD).at[order_N].set(y_NxD).reshape(m, k, d)
+  return jnp.einsum("mkd,mk->md", y_MxKxD.astype(jnp.float32), weights_MxK)
+
+
+class MoE(nnx.Module):
+  """Router + `num_experts` SwiGLU experts (stacked kernels, `ragged_dot`) + optional shared
+  experts (one SwiGLU of `moe_intermediate_size * num_shared_experts`)."""
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs, shared_mlp=None):
+    e, d, f = cfg.num_experts, cfg.d_model, cfg.moe_intermediate_size
+    init = nnx.initializers.normal(0.02)
+    pd = cfg.param_dtype
+    self.k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+    self.scaling = cfg.routed_scaling_factor
+    self.router = RouterParam(init(rngs.params(), (d, e), jnp.float32))
+    self.expert_bias = RouterParam(jnp.zeros((e,), jnp.float32))
+    self.gate_kernel = nnx.Param(init(rngs.params(), (e, d, f), pd))
+    self.up_kernel = nnx.Param(init(rngs.params(), (e, d, f), pd))
+    self.down_kernel = nnx.Param(init(rngs.params(), (e, f, d), pd))
+    self.shared_experts = shared_mlp
+
+  def route(self, y_MxD: Array, forced_MxK: Array | None = None) -> tuple[Array, Array]:
+    logits_MxE = jnp.dot(y_MxD.astype(jnp.float32), self.router[...].astype(jnp.float32))
+    return route_experts(logits_MxE, self.expert_bias[...], k=self.k, n_group=self.n_group,
+                         topk_group=self.topk_group, scaling=self.scaling, forced_MxK=forced_MxK)
+
+  def __call__(self, y_MxD: Array, forced_MxK: Array | None = None) -> tuple[Array, Array]:
+    """`(output [M, D] in y's dtype, the chosen experts [M, k])`."""
+    experts_MxK, weights_MxK = self.route(y_MxD, forced_MxK)
+    out_MxD = grouped_swiglu(y_MxD, experts_MxK, weights_MxK, self.gate_kernel[...],
+                             self.up_kernel[...], self.down_kernel[...]).astype(y_MxD.dtype)
+    if self.shared_experts is not None:
+      out_MxD = out_MxD + self.shared_experts(y_MxD)
+    return out_MxD, experts_MxK
