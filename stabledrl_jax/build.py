@@ -169,7 +169,7 @@ class Data:
   sft: Any        # grain iterators (checkpointed) of this process's rows of each global batch
   rl: Any
   test: list      # held-out examples (all of them, on every process)
-  validation: list  # sft.stop_at_accuracy's: the last sft.validation_examples training examples
+  validation: list  # SFT's stop rule's: the last sft.validation_examples training examples
   reward_fn: Any
   sft_rows: tuple[int, int]  # this process's rows [start, stop) of an SFT batch
   rl_rows: tuple[int, int]   # ... of the RL prompts of a step (each repeated group_size times)
@@ -198,6 +198,14 @@ def source_kwargs(c: ml_collections.ConfigDict, data_dir: str, *, sft: bool = Fa
   return kwargs
 
 
+def demonstrations(train, n: int) -> list:
+  """`sft.num_demonstrations`: the first `n` training examples, all SFT may train on."""
+  if n > len(train):
+    raise ValueError(f"config.sft.num_demonstrations={n}: the training split has only "
+                     f"{len(train)} examples")
+  return [train[i] for i in range(n)]
+
+
 def held_out(c: ml_collections.ConfigDict, t: tasks.Task, data_dir: str) -> list:
   """The config's held-out examples (the task's test split), all of them."""
   source = datasets.load_source(t, "test", **source_kwargs(c, c.task.data_dir or data_dir))
@@ -218,6 +226,8 @@ def data(c: ml_collections.ConfigDict, tokenizer, workdir: str, mesh=None) -> Da
   train = datasets.load_source(t, "train", **kwargs)
   test = datasets.load_source(t, "test", **kwargs)
   sft_train = train if sft_kwargs == kwargs else datasets.load_source(t, "train", **sft_kwargs)
+  if c.sft.num_demonstrations:  # scarce demonstrations: the first N, RL still sees every prompt
+    sft_train = demonstrations(sft_train, c.sft.num_demonstrations)
   if several and distributed.is_main():
     multihost_utils.sync_global_devices("stabledrl_jax: data prepared")
   for name, split in (("train", train), ("test", test), ("train (SFT)", sft_train)):
@@ -231,6 +241,6 @@ def data(c: ml_collections.ConfigDict, tokenizer, workdir: str, mesh=None) -> Da
   rl_it = iter(pipeline.prompt_batches(t, train, tokenizer, batch_size=c.rl.prompts_per_step,
                                        seed=c.seed + 1, rows=rl_rows, **common))
   validation = [train[i] for i in range(max(0, len(train) - c.sft.validation_examples), len(train))
-                ] if c.sft.stop_at_accuracy else []
+                ] if c.sft.stop_at_accuracy or c.sft.patience else []
   return Data(t, tokenizer, sft_it, rl_it, [test[i] for i in range(min(len(test), c.eval.num_examples))],
               validation, reward, sft_rows, rl_rows)

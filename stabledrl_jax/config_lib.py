@@ -129,6 +129,13 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.sft.stop_at_accuracy = 0.3
   c.sft.check_every = 2
   c.sft.validation_examples = 256
+  # > 0: SFT runs to its plateau instead (excludes sft.stop_at_accuracy): a check every
+  # sft.check_every steps and at sft.steps, the best-accuracy weights kept (WORKDIR/sft_best); it
+  # stops after this many checks without a better one and RL starts from the best weights
+  c.sft.patience = 0
+  # > 0: SFT trains on the first N training examples alone (scarce demonstrations); RL's prompts
+  # are still the whole training split, the validation examples never among the N
+  c.sft.num_demonstrations = 0
 
   c.rl = ml_collections.ConfigDict()
   c.rl.steps = 60
@@ -163,6 +170,9 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.rl.adversarial = 0.0        # > 0: docs/method.md §8 ratio explosion on this fraction of rollouts (0.7)
   c.rl.filter_zero_advantage = False  # DAPO dynamic sampling: refill groups with equal rewards
   c.rl.max_prompt_draws = 4     # ... drawing at most this many prompt batches a step (first too)
+  # rl.objective=rft (rejection-sampling fine-tuning): the rollouts it trains on, those whose
+  # reward reaches this (1.0: a whole answer right under sorting's default reward mix)
+  c.rl.rft_min_reward = 1.0
 
   c.optim = ml_collections.ConfigDict()
   c.optim.b1 = 0.9
@@ -303,6 +313,17 @@ def validate(c: ml_collections.ConfigDict) -> None:
       bad(key, "must be a finite number > 0")
   if not 0 <= c.sft.stop_at_accuracy <= 1:
     bad("sft.stop_at_accuracy", "must be an accuracy in (0, 1], or 0 to run all sft.steps")
+  for key in ("sft.patience", "sft.num_demonstrations"):
+    if c.sft[key.split(".")[1]] < 0:
+      bad(key, "must be >= 0 (0: off)")
+  if c.sft.patience and c.sft.stop_at_accuracy:
+    bad("sft.patience", f"excludes sft.stop_at_accuracy={c.sft.stop_at_accuracy} (one SFT stop "
+        "rule): set one of them to 0")
+  if c.sft.num_demonstrations and c.task.source == "generated" and (
+      c.sft.num_demonstrations + c.sft.validation_examples > c.task.num_train):
+    bad("sft.num_demonstrations", f"plus sft.validation_examples={c.sft.validation_examples} "
+        f"exceeds task.num_train={c.task.num_train}: the validation examples must lie outside "
+        "the demonstrations; raise task.num_train")
   if c.task.source == "generated" and c.eval.num_examples > c.task.num_test:
     bad("eval.num_examples", f"exceeds task.num_test={c.task.num_test}, the held-out examples "
         "generated; raise task.num_test too")

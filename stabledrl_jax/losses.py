@@ -404,6 +404,15 @@ def importance_weighted_loss(
   return loss, _masked_log10_ratio_stats(log_ratio, valid)
 
 
+def rejection_sampling_loss(keep_B: Array, elbo_B: Array) -> tuple[Array, dict[str, Array]]:
+  """Rejection-sampling fine-tuning (expert iteration): SFT's loss, minus the ELBO, averaged over
+  the rollouts kept (`keep_B` 1: those with a correct answer), 0 when none is; no ratio, no
+  advantage. Metric `kept_fraction`: the fraction of the rollouts kept."""
+  keep = keep_B.astype(jnp.float32)
+  loss = -jnp.sum(keep * elbo_B.astype(jnp.float32)) / jnp.maximum(jnp.sum(keep), 1.0)
+  return loss, {"kept_fraction": jnp.mean(keep)}
+
+
 def wd1_loss(
     advantages: Array,
     logp: Array,

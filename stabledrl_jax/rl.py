@@ -36,6 +36,9 @@ class Spec(NamedTuple):
   token_level: bool   # per-token ratios: its clip fraction already counts tokens
   surrogate: str      # the policy term: "elbo" or "spg" (SPG's EUBO/ELBO mix)
   clip_higher: bool = False  # an upper clip of its own (rl.epsilon_high)
+  # What `RLBatch.advantages_B` holds: group advantages (`rl.advantage`), or "correct": 1 for the
+  # rollouts whose reward reaches rl.rft_min_reward, else 0 (rejection-sampling fine-tuning)
+  weights: str = "advantage"
 
 
 # Filled below the loss functions: objective name -> `Spec`.
@@ -69,6 +72,7 @@ class Objective:
   adversarial: float        # > 0: docs/method.md §8's ratio explosion on this fraction of the rollouts
   trajectory_shrink: int    # trajectory: decoding steps per forward (TraceRL's s)
   copies_per_pass: int      # C: the M masked copies go through the model C at a time (0: all)
+  rft_min_reward: float     # rft: the reward a rollout must reach to be trained on
 
   def __post_init__(self):
     _check(self.name in OBJECTIVES, "objective", self.name, f"expected one of {tuple(OBJECTIVES)}")
@@ -129,7 +133,7 @@ class Objective:
                max_ratio=r.max_ratio or None, epsilon_high=r.epsilon_high or None,
                kl_coef=r.kl_coef, spg_omega=r.spg_omega, spg_beta=r.spg_beta,
                adversarial=r.adversarial, trajectory_shrink=r.trajectory_shrink,
-               copies_per_pass=r.copies_per_pass)
+               copies_per_pass=r.copies_per_pass, rft_min_reward=r.rft_min_reward)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,6 +329,10 @@ def _spg_is(x: Scored, obj: Objective, eps):
                                          group_size=obj.group_size)
 
 
+def _rft(x: Scored, obj: Objective, eps):
+  return losses.rejection_sampling_loss(x.batch.advantages_B, x.elbo_B)
+
+
 def _wd1(x: Scored, obj: Objective, eps):
   return losses.wd1_loss(x.batch.advantages_B, x.elbo_B, group_size=obj.group_size)
 
@@ -337,6 +345,7 @@ OBJECTIVES.update(
     spg=Spec(_spg, clip=None, token_level=False, surrogate="spg"),
     wd1=Spec(_wd1, clip=None, token_level=False, surrogate="elbo"),
     spg_is=Spec(_spg_is, clip=None, token_level=False, surrogate="spg"),
+    rft=Spec(_rft, clip=None, token_level=False, surrogate="elbo", weights="correct"),
 )
 
 
@@ -532,7 +541,8 @@ def step(s: Settings, data, model, ref_model, optimizer, key, clip_epsilon: floa
     rollout_log = samplers.rollout_record(s.sampling, rollout, t_rollout)
     host_rewards = score(data.tokenizer, rollout, examples, data.reward_fn, start)
   rewards = sharding.shard_batch(host_rewards, sharding.model_mesh(model), rows=rows, start=start)
-  adv = _advantages(rewards, group_size=group, mode=s.advantage)
+  adv = (_advantages(rewards, group_size=group, mode=s.advantage) if obj.spec.weights == "advantage"
+         else (rewards >= obj.rft_min_reward).astype(jnp.float32))
   t_behaviour = time.perf_counter()
   rl_batch, entropy = jax.block_until_ready(behaviour_pass(
       model, ref_model, rollouts.from_rollout(rollout), adv, k_mask, obj))

@@ -4,8 +4,9 @@ checkpoints. `main.py` is the command-line face of `run`.
 
 One global step counter covers both stages (SFT steps first), 0-based in the console, in
 metrics.jsonl and in the checkpoints alike, so a checkpoint's step says where a resumed run
-continues. SFT runs `sft.steps` steps, or fewer with `sft.stop_at_accuracy` (`sft_validation`);
-the checkpoints keep where it stopped, and RL's `rl.steps` follow. Every random draw of step `s`
+continues. SFT runs `sft.steps` steps, or fewer with `sft.stop_at_accuracy` (`sft_validation`)
+or `sft.patience` (`plateau`: RL then starts from the best-validation weights); the checkpoints
+keep where it stopped, and RL's `rl.steps` follow. Every random draw of step `s`
 comes from `fold_in(key(seed), s)`, and the data iterators are checkpointed, so a resumed run
 repeats an uninterrupted one exactly.
 """
@@ -44,11 +45,13 @@ class Run:
   monitor: detectors.StabilityMonitor
   controls: controls.StepControls
   ckpt: checkpointing.Checkpointer
-  sft_end: int  # the first RL step: sft.steps, or where sft.stop_at_accuracy stopped SFT
+  sft_end: int  # the first RL step: sft.steps, or where SFT's stop rule stopped it
   optimizer: nnx.Optimizer | None = None
   writer: metrics.MetricsWriter | None = None
   ref_model: nnx.Module | nnx.State | None = None  # `reference_model`
   skipped: int = 0
+  # sft.patience: the best validation check so far, {"accuracy", "step", "since"} (checks since)
+  sft_best: dict = dataclasses.field(default_factory=dict)
 
   @property
   def total(self) -> int:
@@ -130,6 +133,7 @@ def resume(r: Run) -> int:
   r.data.rl.set_state(meta["rl_iterator"])
   r.skipped = meta["skipped_updates"]
   r.sft_end = meta.get("sft_end", r.config.sft.steps)
+  r.sft_best = meta.get("sft_best", {})
   r.monitor.load_state_dict(meta.get("monitor") or r.monitor.state_dict())
   r.controls.load_state_dict(meta.get("controls") or {})
   distributed.log(f"resumed from {r.ckpt.directory} at step {start + 1}/{r.total}")
@@ -148,7 +152,12 @@ def train_step(r: Run, step: int) -> detectors.Event | None:
     result = sft.step(r.settings.sft, r.data, r.model, r.optimizer, key, step)
     record = result.record
     record.update(sft_validation(r, step))
-    if record.get("validation_accuracy", -1.0) >= c.sft.stop_at_accuracy > 0:
+    stop = record.get("validation_accuracy", -1.0) >= c.sft.stop_at_accuracy > 0
+    if c.sft.patience and "validation_accuracy" in record:
+      stop = plateau(r, step, record["validation_accuracy"])
+      if stop or step == r.sft_end - 1:
+        record.update(sft_best_step=r.sft_best["step"], sft_best_accuracy=r.sft_best["accuracy"])
+    if stop:
       r.sft_end = step + 1
       r.writer.total, r.writer.stage_ends = r.total, r.stage_ends
     sft_ends = step == r.sft_end - 1
@@ -176,20 +185,43 @@ def train_step(r: Run, step: int) -> detectors.Event | None:
 
 
 def sft_validation(r: Run, step: int) -> dict[str, float]:
-  """`sft.stop_at_accuracy`'s check after SFT step `step`, when one is due: greedy accuracy and mean
+  """The SFT stop rule's check after SFT step `step`, when one is due: greedy accuracy and mean
   reward on the validation examples (training examples, never held-out ones), for the step's
-  record. Greedy decoding of the same weights: a resumed run decides alike."""
+  record. Greedy decoding of the same weights: a resumed run decides alike. Every
+  `sft.check_every` steps; `sft.patience` checks the last SFT step too (it may be the best)."""
   c = r.config
-  if not c.sft.stop_at_accuracy or (step + 1) % c.sft.check_every or step == r.sft_end - 1:
+  last = step == r.sft_end - 1
+  if not (c.sft.stop_at_accuracy or c.sft.patience) or (last and not c.sft.patience) or (
+      (step + 1) % c.sft.check_every and not last):
     return {}
   result, _ = evaluate.evaluate(c, r.model, r.data.tokenizer, r.data.task, r.data.validation,
                                 rollout_mesh=r.rollout_mesh)
-  reached = result["accuracy"] >= c.sft.stop_at_accuracy
+  reached = result["accuracy"] >= c.sft.stop_at_accuracy > 0
   distributed.log(f"validation after {step + 1} SFT steps: accuracy {result['accuracy']:.3f} on "
                   f"{result['num_examples']} training examples"
-                  f"{', SFT stops here' if reached else ''} (sft.stop_at_accuracy="
-                  f"{c.sft.stop_at_accuracy})")
+                  + (f"{', SFT stops here' if reached else ''} (sft.stop_at_accuracy="
+                     f"{c.sft.stop_at_accuracy})" if c.sft.stop_at_accuracy else ""))
   return {"validation_accuracy": result["accuracy"], "validation_mean_reward": result["mean_reward"]}
+
+
+def plateau(r: Run, step: int, accuracy: float) -> bool:
+  """`sft.patience` after the check of SFT step `step`: the best weights so far are kept in
+  WORKDIR/sft_best; whether SFT stops (`sft.patience` checks without a better accuracy, or its
+  last step), then with the best weights put back into the model."""
+  c, best = r.config, r.sft_best
+  path = os.path.join(r.workdir, "sft_best")
+  if accuracy > best.get("accuracy", -1.0):
+    checkpointing.save_params(path, r.model)
+    r.sft_best = {"accuracy": accuracy, "step": step, "since": 0}
+  else:
+    r.sft_best = {**best, "since": best["since"] + 1}
+  stop = r.sft_best["since"] >= c.sft.patience
+  if stop or step == r.sft_end - 1:
+    checkpointing.restore_params(path, r.model)
+    distributed.log(f"SFT stops after step {step}: its best validation accuracy "
+                    f"{r.sft_best['accuracy']:.3f} was after step {r.sft_best['step']} (sft.patience="
+                    f"{c.sft.patience} checks); RL starts from those weights")
+  return stop
 
 
 def rl_step(r: Run, step: int, key) -> tuple[metrics.StepResult, list[detectors.Event]]:
@@ -231,7 +263,8 @@ def save(r: Run, at: int, stage: str) -> None:
   r.writer.flush()  # a checkpoint never gets ahead of the metrics a resumed run keeps
   r.ckpt.save(at, r.model, r.optimizer, {
       "stage": stage, "sft_iterator": r.data.sft.get_state(), "rl_iterator": r.data.rl.get_state(),
-      "skipped_updates": r.skipped, "sft_end": r.sft_end, "seed": r.config.seed, "monitor": r.monitor.state_dict(),
+      "skipped_updates": r.skipped, "sft_end": r.sft_end, "sft_best": r.sft_best,
+      "seed": r.config.seed, "monitor": r.monitor.state_dict(),
       "controls": r.controls.state_dict(),
       "rng_key": np.asarray(jax.random.key_data(jax.random.key(r.config.seed))).tolist()})
 
