@@ -8,17 +8,38 @@ Saves are asynchronous and atomic (Orbax writes a temporary directory and rename
 save is complete), so a run killed at any moment leaves its last finished checkpoint intact. The
 JSON part holds the stage, the data-iterator states, the RNG seed and counters. Restoring reads
 into the shardings of the model and optimiser it is given, so a run can resume on another mesh.
+A step that cannot be restored is named with its cause in one line and, unless told not to,
+set aside for the previous step (`restore_latest`); temporary folders a killed save left are
+removed at start.
 """
 from __future__ import annotations
 
 import os
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 from flax import nnx
 
 from stabledrl_jax import lora
+
+T = TypeVar("T")
+
+
+class CheckpointError(RuntimeError):
+  """No step of a checkpoint directory could be restored (one line: the step and the cause)."""
+
+
+def cause(e: BaseException) -> str:
+  """An exception as one short line: TensorStore's messages end in spec dumps, and nest the
+  cause last after `: `."""
+  text = (str(e).splitlines() or [""])[0].split(" [tensorstore_spec")[0]
+  if len(text) > 240:
+    text = ": ".join(text.split(": ")[-2:])
+  return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _params(model: nnx.Module) -> nnx.State:
@@ -40,6 +61,9 @@ class Checkpointer:
 
   def __init__(self, directory: str, *, keep: int = 2, async_save: bool = True):
     self.directory = os.path.abspath(directory)
+    if jax.process_index() == 0:  # what killed saves left (Orbax's own cleanup runs late)
+      for tmp in epath.Path(self.directory).glob("*.orbax-checkpoint-tmp*"):
+        tmp.rmtree()
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                            enable_async_checkpointing=async_save)
     self._manager = ocp.CheckpointManager(self.directory, options=options,
@@ -50,6 +74,32 @@ class Checkpointer:
 
   def all_steps(self) -> list[int]:
     return list(self._manager.all_steps())
+
+  def restore_latest(self, restore: Callable[[int], T], *, fallback: bool = True,
+                     set_aside: bool = False, log: Callable[[str], None] = print
+                     ) -> tuple[int, T] | None:
+    """(step, `restore(step)`) of the latest step that restores; None without steps. A step that
+    fails is named with its cause in one line; with `fallback` the previous step is tried (said
+    so), with `set_aside` the failed step's folder is renamed `N.unreadable-<time>` (kept, and
+    out of the way of the steps the resumed run saves). Raises `CheckpointError`."""
+    steps = sorted(self.all_steps(), reverse=True)
+    for i, step in enumerate(steps):
+      try:
+        return step, restore(step)
+      except Exception as e:  # whatever Orbax or TensorStore raise for a damaged step
+        failed = f"{self.directory}/{step}: cannot restore ({cause(e)})"
+        if not fallback:
+          raise CheckpointError(f"{failed}; set checkpoint.fallback=True to resume from the "
+                                "previous step") from e
+        if i == len(steps) - 1:
+          raise CheckpointError(f"{failed}, and no earlier step is left") from e
+        if set_aside and jax.process_index() == 0:
+          aside = epath.Path(self.directory) / f"{step}.unreadable-{int(time.time())}"
+          epath.Path(self.directory, str(step)).rename(aside)
+          self._manager.reload()
+          failed += f"; moved to {aside}"
+        log(f"{failed}; falling back to step {steps[i + 1]}")
+    return None
 
   def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer, meta: dict[str, Any]) -> None:
     self._manager.save(step, args=ocp.args.Composite(

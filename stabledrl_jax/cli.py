@@ -16,7 +16,7 @@ from typing import Callable
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from stabledrl_jax import build, checkpointing, config_lib, distributed
+from stabledrl_jax import build, checkpointing, config_lib, distributed, run_record
 
 _WORKDIR_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workdir_config.py")
 
@@ -108,7 +108,12 @@ def setup(argv: list[str], workdir_flag: str = "from_workdir"):
 
 def load_policy(c, workdir: str | None = None, step: int | None = None):
   """(model, tokenizer, step): the config's checkpoint (or random init), then with a workdir
-  the parameters of its step `step` (default the latest). Raises `PolicyError`."""
+  the parameters of its step `step` (default the latest that restores). Raises `PolicyError`."""
+  if workdir is not None:
+    check_family(c, workdir)
+    if not run_record.has_checkpoint(workdir):
+      raise PolicyError(f"{workdir} holds no checkpoint yet (not a training run's workdir, or one "
+                        "stopped before its first save)")
   try:
     build.settings(c)  # every key checked, as training checks it
     mesh = build.mesh(c)
@@ -121,18 +126,30 @@ def load_policy(c, workdir: str | None = None, step: int | None = None):
   if workdir is None:
     return model, tokenizer, None
   directory = os.path.join(workdir, "checkpoints")
-  if not os.path.isdir(directory):
-    raise PolicyError(f"no checkpoints in {workdir}")
   ckpt = checkpointing.Checkpointer(directory)
   try:
-    steps = ckpt.all_steps()
-    if not steps or (step is not None and step not in steps):
-      raise PolicyError(f"--step={step}: {directory} holds steps {sorted(steps)}")
-    step = max(steps) if step is None else step
-    ckpt.restore_model(step, model)
+    if step is None:  # the latest step that restores, said when it is not the latest
+      step, _ = ckpt.restore_latest(lambda s: ckpt.restore_model(s, model), log=distributed.log)
+    elif step not in ckpt.all_steps():
+      raise PolicyError(f"--step={step}: {directory} holds steps {ckpt.all_steps()}")
+    else:
+      try:
+        ckpt.restore_model(step, model)
+      except Exception as e:  # a damaged step
+        raise PolicyError(f"{directory}/{step}: cannot restore ({checkpointing.cause(e)})") from e
+  except checkpointing.CheckpointError as e:
+    raise PolicyError(str(e)) from e
   finally:
     ckpt.close()
   return model, tokenizer, step
+
+
+def check_family(c, workdir: str) -> None:
+  """A `--config` of another family than the run in `workdir` trained: one line naming both."""
+  record = run_record.read(workdir)
+  if record and record.get("family") not in (None, c.family):
+    raise PolicyError(f"family mismatch: {workdir} trained a {record['family']} model; the config "
+                      f"is {c.family} (leave out --config to use the run's own)")
 
 
 def error_text(e: BaseException) -> str:

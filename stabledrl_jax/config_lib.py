@@ -275,6 +275,9 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 50
   c.checkpoint.keep = 2
+  # The latest step fails to restore: True resumes from the previous complete step (the failed
+  # one is renamed N.unreadable-<time>, and said); False stops naming the step and the cause.
+  c.checkpoint.fallback = True
   c.log_every = 1
   return c
 

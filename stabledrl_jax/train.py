@@ -69,7 +69,14 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   checkpoint or the data is unusable; nothing has been trained or written over by then.
   """
   r = setup(c, workdir)
-  step = resume(r)
+  try:
+    step = resume(r)
+  except checkpointing.CheckpointError as e:
+    raise SetupError(str(e)) from e
+  for line in run_record.check(c.to_dict(), workdir, main_process=distributed.is_main(),
+                               has_checkpoint=step > 0,
+                               defaults=config_lib.base_config(c.family).to_dict()):
+    distributed.log(line)  # recorded once the restore succeeded
   r.writer = metrics.MetricsWriter(workdir, total_steps=r.total, resume_step=step - 1 if step else None,
                                    stage_ends=r.stage_ends)
   try:
@@ -97,10 +104,10 @@ def setup(c: ml_collections.ConfigDict, workdir: str) -> Run:
   try:
     s = build.settings(c)
     os.makedirs(workdir, exist_ok=True)
-    for line in run_record.check(c.to_dict(), workdir, main_process=distributed.is_main(),
-                                 has_checkpoint=run_record.has_checkpoint(workdir),
-                                 defaults=config_lib.base_config(c.family).to_dict()):
-      distributed.log(line)
+    # A change the saved run cannot follow stops here; the record is written after the restore.
+    run_record.check(c.to_dict(), workdir, main_process=False,
+                     has_checkpoint=run_record.has_checkpoint(workdir),
+                     defaults=config_lib.base_config(c.family).to_dict())
     mesh = build.mesh(c)
     rollout_mesh = build.rollout_mesh(c, mesh) if mesh.size > 1 else None
     tokenizer = build.tokenizer(c)
@@ -122,13 +129,17 @@ def setup(c: ml_collections.ConfigDict, workdir: str) -> Run:
 
 def resume(r: Run) -> int:
   """The first step to run: 0, or the one after the latest checkpoint, restored into `r`."""
-  start = r.ckpt.latest_step()
-  if start is None:
+  def restore(step: int) -> tuple[dict, nnx.Optimizer]:
+    meta = r.ckpt.read_meta(step)
+    optimizer = optim.stage_optimizer(r.model, r.config, meta["stage"])
+    return r.ckpt.restore(step, r.model, optimizer), optimizer
+
+  found = r.ckpt.restore_latest(restore, fallback=r.config.checkpoint.fallback, set_aside=True,
+                                log=distributed.log)
+  if found is None:
     r.optimizer = optim.stage_optimizer(r.model, r.config, "sft" if r.config.sft.steps else "rl")
     return 0
-  meta = r.ckpt.read_meta(start)
-  r.optimizer = optim.stage_optimizer(r.model, r.config, meta["stage"])
-  r.ckpt.restore(start, r.model, r.optimizer)
+  start, (meta, r.optimizer) = found
   r.data.sft.set_state(meta["sft_iterator"])
   r.data.rl.set_state(meta["rl_iterator"])
   r.skipped = meta["skipped_updates"]

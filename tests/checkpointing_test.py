@@ -1,7 +1,11 @@
-"""Orbax checkpoints: round trip, keep-N, and restoring into a differently sharded mesh."""
+"""Orbax checkpoints: round trip, keep-N, restoring into a differently sharded mesh, and a
+damaged latest step."""
+import re
+
 import jax
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 from stabledrl_jax import checkpointing, models, optim
@@ -77,4 +81,53 @@ def test_round_trip_of_moments_in_host_memory(tmp_path):
   jax.tree.map(np.testing.assert_array_equal,
                jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(opt))),
                jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(other_opt))))
+  ck.close()
+
+
+def _damaged(tmp_path, damage):
+  """Steps 1 and 2 of a model, then `damage(step 2's folder)`; a killed save's tmp folder."""
+  model, opt = _model_and_opt(0)
+  ck = checkpointing.Checkpointer(str(tmp_path), keep=3)
+  for step in (1, 2):
+    ck.save(step, model, opt, {"stage": "rl", "step": step})
+  ck.close()
+  damage(tmp_path / "2")
+  (tmp_path / "3.orbax-checkpoint-tmp-1").mkdir()
+  return checkpointing.Checkpointer(str(tmp_path), keep=3), model, opt
+
+
+def _truncate_a_model_file(step_dir):
+  with open(sorted((step_dir / "model" / "d").iterdir())[0], "r+b") as f:
+    f.truncate(10)
+
+
+def _empty_meta(step_dir):
+  (step_dir / "meta" / "metadata").write_text("")
+
+
+@pytest.mark.parametrize("damage, named", [
+    (_truncate_a_model_file, r"ValueError: .*Requested byte range \[0, \d+\) is not valid for "
+                             r"value of size 10\)"),
+    (_empty_meta, r"JSONDecodeError: Expecting value: line 1 column 1 \(char 0\)\)")])
+def test_a_damaged_latest_step_falls_back_to_the_previous_one(tmp_path, damage, named):
+  ck, model, opt = _damaged(tmp_path, damage)
+  assert not (tmp_path / "3.orbax-checkpoint-tmp-1").exists()  # cleaned at start
+  lines = []
+
+  def restore(step):
+    ck.read_meta(step)
+    return ck.restore(step, model, opt)
+
+  with pytest.raises(checkpointing.CheckpointError, match=(
+      rf"^{tmp_path}/2: cannot restore \({named}; set checkpoint.fallback=True to resume from "
+      r"the previous step$")):
+    ck.restore_latest(restore, fallback=False)
+  assert ck.all_steps() == [1, 2]  # nothing moved
+  step, meta = ck.restore_latest(restore, set_aside=True, log=lines.append)
+  assert (step, meta) == (1, {"stage": "rl", "step": 1})
+  (aside,) = [p.name for p in tmp_path.iterdir() if p.name.startswith("2.unreadable-")]
+  assert len(lines) == 1 and re.fullmatch(
+      rf"{tmp_path}/2: cannot restore \({named}; moved to {tmp_path}/{aside}; falling back to "
+      r"step 1", lines[0])
+  assert ck.all_steps() == [1]
   ck.close()

@@ -295,3 +295,22 @@ def test_sft_stops_at_the_validation_accuracy_and_a_resumed_run_keeps_where(tmp_
   train.run(c, str(tmp_path))  # a validation now would find the script exhausted
   assert strip_timing(read_jsonl(tmp_path / "metrics.jsonl")) == strip_timing(rows)
   assert len(validated) == 2
+
+
+def test_an_unrestorable_checkpoint_stops_naming_the_step_before_the_record_changes(tmp_path):
+  c = config_lib.base_config("sdar")
+  c.model.update(n_layers=1, d_model=16, n_heads=2, n_kv_heads=2, mlp_dim=16)
+  c.task.update(num_train=64, num_test=8)
+  c.eval.num_examples = 8
+  run_record_before = c.to_dict()
+  (tmp_path / "config.json").write_text(json.dumps(run_record_before))
+  (tmp_path / "checkpoints" / "2" / "meta").mkdir(parents=True)
+  (tmp_path / "checkpoints" / "2" / "meta" / "metadata").write_text("")  # a damaged step 2
+  c.rl.steps += 1  # a change a resumed run takes, recorded only once the restore succeeded
+  c.checkpoint.fallback = False
+  with pytest.raises(train.SetupError, match=(
+      rf"^{tmp_path}/checkpoints/2: cannot restore \(JSONDecodeError: Expecting value: line 1 "
+      r"column 1 \(char 0\)\); set checkpoint.fallback=True")):
+    train.run(c, str(tmp_path))
+  assert json.loads((tmp_path / "config.json").read_text()) == run_record_before
+  assert not (tmp_path / "metrics.jsonl").exists()
