@@ -17,8 +17,6 @@ from __future__ import annotations
 import os
 
 from absl import flags
-from flax import nnx
-
 from stabledrl_jax import cli, distributed, lora, models
 
 MAX_SHARD_BYTES = 5 * 2**30
@@ -41,14 +39,12 @@ def adapter_dir(out_dir: str) -> str:
 def export(c, model, out_dir: str, *, dtype: str | None = None, replace: bool = False,
            max_shard_bytes: int = MAX_SHARD_BYTES) -> str:
   """Write `model` to `out_dir` in the run's source format; returns `out_dir`. A model with LoRA
-  adapters is written merged (`lora.merge` of a clone: `model` keeps its adapters), and its
-  adapters alone to `adapter_dir(out_dir)` in PEFT's format."""
-  adapted = bool(lora.adapters(model))
-  merged = lora.merge(nnx.clone(model)) if adapted else model  # new merged kernels, rest shared
-  models.export_pretrained(merged, out_dir, dtype=dtype or default_dtype(c),
+  adapters is written merged (`models.export_pretrained`), and its adapters alone to
+  `adapter_dir(out_dir)` in PEFT's format."""
+  models.export_pretrained(model, out_dir, dtype=dtype or default_dtype(c),
                            max_shard_bytes=max_shard_bytes,
                            source_dir=c.model.checkpoint or None, replace=replace)
-  if adapted:
+  if lora.adapters(model):
     lora.export_peft(model, adapter_dir(out_dir), base_model_name_or_path=c.model.checkpoint or None)
   return out_dir
 

@@ -92,12 +92,14 @@ class AdapterError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
   """Rank r, alpha α (the update is scaled by α / r), dropout on the adapters' input, and the
-  PEFT target names (a tuple of names matched as suffixes, or one regular expression)."""
+  PEFT target names (a tuple of names matched as suffixes, or one regular expression). The
+  targets have no default here: a run's come from `config.model.lora.targets` ("" = the family's
+  `DEFAULT_TARGETS`, `targets_from_config`)."""
 
   rank: int
   alpha: float
   dropout: float = 0.0
-  targets: tuple[str, ...] | str = ("q_proj", "k_proj", "v_proj")
+  targets: tuple[str, ...] | str = dataclasses.field(kw_only=True)
 
   def __post_init__(self):
     if self.rank < 1:
@@ -385,7 +387,7 @@ def from_config(c) -> LoraConfig | None:
   if not isinstance(cl.dropout, (int, float)) or not 0 <= cl.dropout < 1:
     raise _bad("lora.dropout", cl.dropout, "must lie in [0, 1)")
   targets = targets_from_config(c.family, cl.targets)
-  ours = LoraConfig(cl.rank, float(cl.alpha), float(cl.dropout), targets) if cl.rank else None
+  ours = LoraConfig(cl.rank, float(cl.alpha), float(cl.dropout), targets=targets) if cl.rank else None
   if not init:
     return ours
   if not os.path.isdir(init):

@@ -40,6 +40,20 @@ def test_each_config_key_has_its_default_in_one_place():
     assert not defaulted, (cls.__name__, defaulted)
 
 
+def test_the_library_classes_defaults_are_the_configs():
+  """`models.ModelConfig` and `lora.LoraConfig` serve library users too, so they keep defaults;
+  each one that names a config key equals that key's default (LoRA's targets have none)."""
+  from stabledrl_jax import lora, models
+
+  c = config_lib.base_config("sdar")
+  for cls, section in ((models.ModelConfig, c.model), (lora.LoraConfig, c.model.lora)):
+    for f in dataclasses.fields(cls):
+      if f.name in section and f.default is not dataclasses.MISSING:
+        assert f.default == section[f.name], (cls.__name__, f.name, f.default, section[f.name])
+  assert dataclasses.fields(lora.LoraConfig)[-1].default is dataclasses.MISSING  # targets
+  assert models.ModelConfig.compute_dtype == "float32"  # the check above ran on it
+
+
 def test_the_family_is_checked_and_named():
   c = config_lib.base_config("dream")
   config_lib.validate(c)

@@ -249,7 +249,7 @@ def test_peft_config_options_that_change_the_math_are_refused():
   good = lora.peft_config(lora.LoraConfig(rank=8, alpha=16, dropout=0.05,
                                           targets=("v_proj", "q_proj")), "org/base")
   assert (good["r"], good["lora_alpha"], good["target_modules"]) == (8, 16, ["q_proj", "v_proj"])
-  assert lora.config_from_peft(good) == lora.LoraConfig(8, 16.0, 0.05, ("q_proj", "v_proj"))
+  assert lora.config_from_peft(good) == lora.LoraConfig(8, 16.0, 0.05, targets=("q_proj", "v_proj"))
   for key, value in (("use_dora", True), ("use_rslora", True), ("bias", "all"),
                      ("layers_to_transform", [0]), ("rank_pattern", {"q_proj": 4})):
     with pytest.raises(lora.AdapterError, match=f"adapter_config.json {key}=.* is not supported"):
@@ -625,6 +625,19 @@ def test_export_writes_the_merged_model_and_the_adapter_alone(family, tmp_path):
   np.testing.assert_allclose(np.asarray(logits(base, ids, **kw)), want, rtol=1e-6, atol=1e-6)
 
 
+def test_export_pretrained_of_an_adapted_model_writes_the_adapters_merged(tmp_path):
+  model = adapted("sdar")
+  ids = jax.random.randint(jax.random.key(0), (2, 12), 0, model.config.vocab_size)
+  kw = attention_of("sdar")
+  base = np.asarray(logits(models.create(tiny("sdar"), seed=0), ids, **kw))
+  want = np.asarray(logits(model, ids, **kw))
+  assert np.abs(want - base).max() > 0.1  # the adapters matter far above the tolerance below
+  models.export_pretrained(model, str(tmp_path / "hf"))
+  assert lora.adapters(model)  # the caller's model keeps them
+  loaded, _ = models.load_pretrained(str(tmp_path / "hf"), dtype="float32")
+  np.testing.assert_allclose(np.asarray(logits(loaded, ids, **kw)), want, rtol=1e-4, atol=1e-4)
+
+
 def test_lora_init_starts_from_a_peft_adapter_and_a_disagreeing_rank_is_named(tmp_path):
   c = run_config("llada", rank=4, alpha=8.0, targets="q_proj,v_proj")
   model = build.model(c, build.tokenizer(c))
@@ -633,7 +646,7 @@ def test_lora_init_starts_from_a_peft_adapter_and_a_disagreeing_rank_is_named(tm
   lora.export_peft(model, adapter)
   started = run_config("llada")
   started.model.lora_init = adapter  # rank 0: the adapter's settings
-  assert build.settings(started).lora == lora.LoraConfig(4, 8.0, 0.0, ("q_proj", "v_proj"))
+  assert build.settings(started).lora == lora.LoraConfig(4, 8.0, 0.0, targets=("q_proj", "v_proj"))
   got, want = params(build.model(started, build.tokenizer(c)), nnx.Param), params(model, nnx.Param)
   assert set(got) == set(want)
   for name, value in want.items():

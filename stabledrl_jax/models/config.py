@@ -49,7 +49,7 @@ class ModelConfig:
   tie_word_embeddings: bool = False  # how the checkpoint stores the head; the model is always untied
   max_seq_len: int = 4096
   param_dtype: str = "float32"
-  compute_dtype: str = "bfloat16"
+  compute_dtype: str = "float32"  # as config.model.compute_dtype; the checkpoint presets: bfloat16
   remat: bool = False  # rematerialise each block in the backward pass
   remat_policy: str = "nothing"  # with remat, what a block keeps: REMAT_POLICIES
   attention_impl: str = "dense"  # "dense" (one masked softmax) or "blockwise" (key tiles)
@@ -171,7 +171,7 @@ def tiny(**changes) -> ModelConfig:
       family="sdar", model_type="sdar", vocab_size=128, d_model=64, n_layers=2, n_heads=4,
       n_kv_heads=2, head_dim=16, mlp_dim=128, rope_theta=10000.0, norm_eps=1e-6, qk_norm=True,
       mask_token_id=127, eos_token_id=1, pad_token_id=0, stop_token_ids=(1,), block_size=4,
-      max_seq_len=256, compute_dtype="float32")
+      max_seq_len=256)
   return dataclasses.replace(base, **changes)
 
 

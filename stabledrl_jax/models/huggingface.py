@@ -603,11 +603,16 @@ def export_pretrained(model: Transformer, out_dir: str, *, dtype: str | None = N
   file (tokenizer, generation config, remote code) are carried over. Everything is written into
   `out_dir + ".partial"`, renamed to `out_dir` at the end, so a killed export never looks complete.
   A non-empty `out_dir` is refused unless `replace` (then it is swapped out only at the end).
+  A model with LoRA adapters is written with them merged into the weights (`lora.merge` of a
+  clone: `model` keeps its adapters); `export.export` also writes the adapters alone.
   """
   if os.path.isdir(out_dir) and os.listdir(out_dir) and not replace:
     raise ExportError(f"export target {out_dir} exists and is not empty")
   if os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise ExportError(f"export target {out_dir} exists and is not a directory")
+  if jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):
+    from stabledrl_jax import lora  # lora imports this module
+    model = lora.merge(nnx.clone(model))  # new merged kernels, the rest shared
   cfg = model.config
   dtype = np.dtype(dtype or cfg.param_dtype)
   specs = {s.hf_name: s for s in weight_specs(cfg)}
