@@ -10,6 +10,8 @@ r"""Every generated page and table of the documentation, from the code and the c
   (found by recording the assignments while the preset is applied), and LLaDA's checkpoint
   presets side by side.
 - docs/reference/commands.md: each command's flags, defaults and help (from absl's registry).
+- docs/reference/modules.md: each module, the first sentence of its docstring, its length and the
+  test files that import it.
 - every table between `<!-- table: SOURCE -->` and `<!-- end of table -->` in README.md and the
   pages under docs/: SOURCE is `results/NAME.json` (docs/results/NAME.json: one measurement's rows
   with its command, commit, machine and date) or `bench/scarce_demos.py --table`.
@@ -280,6 +282,55 @@ def commands_reference() -> str:
   return "\n".join(out) + "\n"
 
 
+# ----------------------------------------------------------------------------- modules
+
+
+def _imports(path: str) -> set[str]:
+  """Dotted `stabledrl_jax` modules a file imports (`from stabledrl_jax import x` counts x)."""
+  found = set()
+  for node in ast.walk(ast.parse(open(path).read())):
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("stabledrl_jax"):
+      found.add(node.module)
+      found |= {f"{node.module}.{a.name}" for a in node.names}
+    elif isinstance(node, ast.Import):
+      found |= {a.name for a in node.names if a.name.startswith("stabledrl_jax")}
+  return found
+
+
+def modules_reference() -> str:
+  package = os.path.join(REPO, "stabledrl_jax")
+  tests = {name: _imports(os.path.join(REPO, "tests", name))
+           for name in sorted(os.listdir(os.path.join(REPO, "tests"))) if name.endswith("_test.py")}
+  out = ["# Modules", "", GENERATED.strip(), "",
+         "Each module of the package, the first sentence of its docstring, its size and the test "
+         "files that import it (`tests/<module>_test.py` first when there is one). The design: "
+         "[architecture.md](../architecture.md).", "", "| module | what it is | lines | tests |",
+         "|---|---|---:|---|"]
+  for folder, _, files in sorted(os.walk(package)):
+    for name in sorted(files):
+      if not name.endswith(".py") or name == "__init__.py" and folder == package:
+        continue
+      path = os.path.join(folder, name)
+      rel = os.path.relpath(path, REPO)
+      dotted = rel[:-3].replace(os.sep, ".").removesuffix(".__init__")
+      text = open(path).read()
+      doc = (ast.get_docstring(ast.parse(text)) or "").strip()
+      para = []
+      for line in doc.splitlines():
+        if not line.strip() or line.startswith(" "):
+          break
+        para.append(line.strip())
+      first = " ".join(para).rstrip(":")
+      own = f"{dotted.rsplit('.', 1)[-1]}_test.py"
+      users = sorted(t for t, mods in tests.items() if dotted in mods and t != own)
+      users = ([own] if own in tests else []) + users
+      listed = ", ".join(f"`{t}`" for t in users[:6]) + (f" and {len(users) - 6} more"
+                                                         if len(users) > 6 else "")
+      out.append(f"| [`{rel}`](../../{rel}) | {cell(first)} | {text.count(chr(10))} | "
+                 f"{listed or 'none'} |")
+  return "\n".join(out) + "\n"
+
+
 # ----------------------------------------------------------------------------- results
 
 
@@ -291,10 +342,10 @@ def results_table(name: str) -> str:
            "|" + "".join("---:|" if a == "r" else "---|" for a in rec.get("align", "l" * len(rec["columns"])))]
   lines += ["| " + " | ".join(cell(v) if isinstance(v, str) else json.dumps(v) for v in row) + " |"
             for row in rec["rows"]]
-  where = (f"Measured {rec['date']} on {rec['machine']} at commit {rec['commit']} with "
-           f"`{rec['command']}`")
+  where = (f"{rec['title']}. Measured {rec['date']} on {rec['machine']}, recorded at commit "
+           f"{rec['commit']}: `{rec['command']}`")
   lines += ["", where + (f"; {rec['notes']}" if rec.get("notes") else "") +
-            f" (raw rows: [docs/results/{name}]({os.path.relpath(RESULTS, DOCS)}/{name}))."]
+            f" (data: [docs/results/{name}]({os.path.relpath(RESULTS, DOCS)}/{name}))."]
   return "\n".join(lines)
 
 
@@ -330,7 +381,8 @@ def pages() -> dict[str, str]:
   """{path under the repository: its generated content}."""
   out = {"docs/reference/config.md": config_reference(),
          "docs/reference/presets.md": presets_reference(),
-         "docs/reference/commands.md": commands_reference()}
+         "docs/reference/commands.md": commands_reference(),
+         "docs/reference/modules.md": modules_reference()}
   for folder, _, files in os.walk(REPO):
     rel = os.path.relpath(folder, REPO)
     if rel != "." and not (rel == "docs" or rel.startswith("docs" + os.sep)):

@@ -39,7 +39,7 @@ def base_config(family):
 
 
 def test_a_marked_table_is_rewritten_from_its_results_file(tmp_path, monkeypatch):
-  rec = {"columns": ["run", "score"], "align": "lr", "rows": [["a|b", 0.5], ["c", 1]],
+  rec = {"title": "Demo", "columns": ["run", "score"], "align": "lr", "rows": [["a|b", 0.5], ["c", 1]],
          "command": "python x.py", "commit": "abc1234", "machine": "2 CPUs", "date": "2026-12-07"}
   (tmp_path / "demo.json").write_text(json.dumps(rec))
   monkeypatch.setattr(report, "RESULTS", str(tmp_path))
@@ -47,6 +47,7 @@ def test_a_marked_table_is_rewritten_from_its_results_file(tmp_path, monkeypatch
   page = "intro\n<!-- table: results/demo.json -->\nstale\n<!-- end of table -->\nrest\n"
   out = report.with_tables(page)
   assert out.startswith("intro\n<!-- table: results/demo.json -->\n| run | score |\n|---|---:|\n"
-                        "| a\\|b | 0.5 |\n| c | 1 |\n\nMeasured 2026-12-07 on 2 CPUs at commit abc1234")
+                        "| a\\|b | 0.5 |\n| c | 1 |\n\nDemo. Measured 2026-12-07 on 2 CPUs, recorded at commit "
+                        "abc1234: `python x.py` (data: [docs/results/demo.json]")
   assert out.endswith("\n<!-- end of table -->\nrest\n") and "stale" not in out
   assert report.with_tables(out) == out
