@@ -16,8 +16,9 @@ CHECKPOINT_PRESETS = ("8b", "8b_official", "8b_ar", "8b_lora", "7b")
 def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
   """`tiny` is the default (clean SFT, then RL, on sorting digits); `smoke` the same path in
   minutes (on Sudoku); `sudoku` the earlier main job (4x4 Sudoku from a demonstrator that leaves
-  half the blanks empty); `8b` the published settings; `8b_official` the official StableDRL code's
-  GSM8K run (`official_gsm8k`); `8b_ar` JustGRPO's run, GRPO on left-to-right rollouts with the
+  half the blanks empty); `8b` the project's recommended 8B setting (the official run's, with the
+  differences of docs/training.md); `8b_official` the official StableDRL code's GSM8K run
+  (`official_gsm8k`); `8b_ar` JustGRPO's run, GRPO on left-to-right rollouts with the
   exact autoregressive likelihood (`just_grpo`, LLaDA only); `8b_lora` the `8b` run training LoRA
   adapters with d1's settings (`d1_lora`); `7b` Dream-v0-Instruct-7B with the published Dream RL
   settings (`dream_7b`)."""
@@ -45,7 +46,8 @@ def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
     c.eval.num_examples, c.eval.every = 32, 4
     c.checkpoint.every = 4
   if preset in CHECKPOINT_PRESETS:
-    # docs/method.md §6: the official StableDRL settings (GSM8K), fp32 master weights, bf16 compute.
+    # Shared by the checkpoint presets: from the official StableDRL GSM8K run (docs/method.md §6),
+    # fp32 master weights, bf16 compute; `official_gsm8k` sets the rest of that run.
     c.model.checkpoint = "/path/to/checkpoint"  # must be overridden
     c.mesh.data, c.mesh.fsdp = 1, -1  # FSDP over every chip
     c.model.tokenizer = "checkpoint"
@@ -101,7 +103,7 @@ def d1_lora(c: ml_collections.ConfigDict) -> None:
 
 
 def official_gsm8k(c: ml_collections.ConfigDict) -> None:
-  """The official StableDRL code's GSM8K training run, line for line (README: `8b` vs `8b_official`),
+  """The official StableDRL code's GSM8K training run, line for line (docs/training.md: choosing a preset),
   on top of the `8b` preset's settings (which already match it where this sets nothing, e.g. its
   rollouts: gen 256, block 32, 128 steps).
 
