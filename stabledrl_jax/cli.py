@@ -8,11 +8,19 @@ and loading it onto the devices.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging as pylogging
 import os
 import re
 import sys
+import tempfile
+import threading
+import time
+import traceback
 from typing import Callable
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -48,11 +56,21 @@ def define_policy_flags(workdir_flag: str = "from_workdir") -> None:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl flag parsing, with a one-line error for a bad flag or an unknown config key."""
+  """absl flag parsing, with a one-line error for a bad flag, a config file that is not there or
+  fails to load (e.g. an unknown preset), or an unknown config key."""
+  argv = config_lib.resolve_config_flags(argv)
+  for arg in argv[1:]:
+    if arg.startswith("--config="):
+      path = arg.split("=", 1)[1].partition(":")[0]
+      if not os.path.isfile(path):
+        sys.exit(f"error: {arg}: no such file (the project's own: configs/llada.py, "
+                 "configs/sdar.py, configs/dream.py)")
   try:
-    return flags.FLAGS(config_lib.resolve_config_flags(argv))
+    return flags.FLAGS(argv)
   except flags.Error as e:
-    sys.exit(f"error: {e}")
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    # A config file that raised: absl quotes its traceback; its last line is the cause.
+    sys.exit(f"error: {lines[0]} {lines[-1]}" if len(lines) > 1 else f"error: {e}")
   except (AttributeError, KeyError) as e:  # ml_collections: an override of a key that is not there
     sys.exit(f"error: {unknown_key_message(argv, e)}")
 
@@ -75,13 +93,113 @@ def unknown_key_message(argv: list[str], error: Exception) -> str:
 
 
 def start(main: Callable[[list[str]], None], workdir_flag: str = "from_workdir") -> None:
-  """`app.run(main)`; without --config, `--<workdir_flag>=W` makes W/config.json the config."""
+  """`app.run(main)` (`one_line_faults`); without --config, `--<workdir_flag>=W` makes
+  W/config.json the config."""
   argv = list(sys.argv)
   has_config = any(a == "--config" or a.startswith("--config=") for a in argv[1:])
   workdir = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith(f"--{workdir_flag}=")), None)
   if not has_config and workdir:
     argv.insert(1, f"--config={_WORKDIR_CONFIG}:{workdir}")
-  app.run(main, argv=argv, flags_parser=parse_flags)
+  app.run(one_line_faults(main), argv=argv, flags_parser=parse_flags)
+
+
+LOG_FILE = "debug.log"  # in the workdir: library log lines, and the traceback of a fault
+log_dir: str | None = None  # the command's workdir, once known (`log_to`)
+
+
+def log_to(workdir: str, create: bool = False) -> None:
+  """Library log lines (Orbax's, TensorStore's errors from their threads, ...) and a fault's
+  traceback go to `workdir`/debug.log, not the terminal (unless --verbosity or --logtostderr);
+  `create`: make `workdir` (training's), else only an existing one is used."""
+  global log_dir
+  if create:
+    with contextlib.suppress(OSError):
+      os.makedirs(workdir, exist_ok=True)
+  if not os.path.isdir(workdir):
+    return
+  log_dir = workdir
+  f = flags.FLAGS
+  if f["verbosity"].present or f["logtostderr"].value or f["alsologtostderr"].value:
+    return
+  try:
+    stream = open(os.path.join(workdir, log_name()), "a")
+  except OSError:
+    return
+  pylogging.raiseExceptions = False  # a full disk must not print logging's own tracebacks
+  logging.get_absl_handler().python_handler.stream = stream
+
+  def to_log(*args) -> None:  # what library threads and callbacks raise, e.g. TensorStore's
+    with contextlib.suppress(Exception):
+      info = args[0] if len(args) == 1 else None
+      exc = (info.exc_type, info.exc_value, info.exc_traceback) if info else args[:3]
+      stream.write("".join(traceback.format_exception(*exc)))
+      stream.flush()
+
+  sys.unraisablehook = sys.excepthook = threading.excepthook = to_log
+
+
+def log_name() -> str:
+  index = jax.process_index() if jax.process_count() > 1 else 0
+  return LOG_FILE if index == 0 else f"debug.process_{index}.log"
+
+
+def one_line_faults(main: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
+  """`main` with any fault as one line on stderr (`fault_line`) and its traceback appended to
+  `log_dir`/debug.log (or a temporary file), where also goes what library threads print while
+  the process ends (Orbax's closed event loops, ...). Ctrl-C says how to resume."""
+  def run(argv: list[str]) -> None:
+    try:
+      main(argv)
+    except (SystemExit, app.UsageError):
+      raise
+    except BaseException as e:  # KeyboardInterrupt too
+      log = keep_traceback(traceback.format_exc())
+      line = fault_line(e)
+      sys.stderr.write(f"error: {line}" + (f" (traceback: {log})" if log else "") + "\n")
+      sys.stderr.flush()
+      if log:
+        with contextlib.suppress(OSError):
+          os.dup2(os.open(log, os.O_WRONLY | os.O_APPEND), 2)
+      sys.exit(130 if isinstance(e, KeyboardInterrupt) else 1)
+  return run
+
+
+def keep_traceback(text: str) -> str | None:
+  """`text` appended to `log_dir`/debug.log, else to a temporary file; its path, or None when
+  neither can be written (e.g. a full disk)."""
+  stamp = f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(sys.argv)}\n"
+  for directory in (log_dir, tempfile.gettempdir()):
+    if not directory:
+      continue
+    path = os.path.join(directory, log_name() if directory == log_dir else
+                        f"stabledrl_jax-{os.getpid()}-{LOG_FILE}")
+    try:
+      with open(path, "a") as f:
+        f.write(stamp + text)
+      return path
+    except OSError:
+      continue
+  return None
+
+
+def fault_line(e: BaseException) -> str:
+  """One line a user can act on: the disk full, a permission refused, a file that is not there
+  (found anywhere in the exception's chain, as Orbax and TensorStore wrap them), an interrupt;
+  else the exception's type and first line."""
+  if isinstance(e, KeyboardInterrupt):
+    return ("interrupted (Ctrl-C); rerun the same command to resume from the last checkpoint")
+  chain, seen = [], e
+  while seen is not None and len(chain) < 20:
+    chain.append(seen)
+    seen = seen.__cause__ or seen.__context__
+  for err in chain:
+    text = str(err)
+    if (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left" in text:
+      where = f" writing {err.filename}" if getattr(err, "filename", None) else ""
+      return f"no space left on device{where}; free space and rerun the same command to resume"
+    if isinstance(err, OSError) and err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+      return f"{error_text(err)} (check the workdir's permissions)"
+  return error_text(e) if isinstance(e, OSError) else f"{type(e).__name__}: {error_text(e)}"
 
 
 def setup(argv: list[str], workdir_flag: str = "from_workdir"):
@@ -103,6 +221,8 @@ def setup(argv: list[str], workdir_flag: str = "from_workdir"):
       distributed.initialize(*multi, heartbeat_timeout_s=f.heartbeat_timeout)
     except ValueError as e:
       sys.exit(f"error: {e}")
+  if f[workdir_flag].value:
+    log_to(f[workdir_flag].value)
   return f.config, f[workdir_flag].value
 
 
@@ -154,7 +274,9 @@ def check_family(c, workdir: str) -> None:
 
 def error_text(e: BaseException) -> str:
   """An exception's message as one line: a KeyError's quotes off (its `str` is the repr of its
-  argument), every other message as it is."""
+  argument), an OSError's path whole and first, every other message as it is."""
+  if isinstance(e, OSError) and e.strerror and e.filename:
+    return f"{e.filename}: {e.strerror}"
   text = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
   return str(text).splitlines()[0] if str(text) else repr(e)
 

@@ -25,6 +25,9 @@ def main(argv):
     name = os.path.splitext(os.path.basename(config_arg.split(":")[0]))[0]
     preset = config_arg.split(":")[1] if ":" in config_arg else "tiny"
     workdir = os.path.join("runs", f"{name}_{preset}")
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    cli.fail(f"--workdir={workdir}: a file, not a directory")
+  cli.log_to(workdir, create=True)  # library log lines and a fault's traceback: WORKDIR/debug.log
   try:
     train.run(c, workdir)
   except train.SetupError as e:
@@ -32,4 +35,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=cli.parse_flags)
+  app.run(cli.one_line_faults(main), flags_parser=cli.parse_flags)

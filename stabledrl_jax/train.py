@@ -24,8 +24,9 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from stabledrl_jax import (build, checkpointing, config_lib, controls, detectors, distributed,
-                           evaluate, export, flops, lora, metrics, optim, rl, run_record, sft)
+from stabledrl_jax import (build, checkpointing, cli, config_lib, controls, detectors,
+                           distributed, evaluate, export, flops, lora, metrics, optim, rl,
+                           run_record, sft)
 
 
 class SetupError(Exception):
@@ -114,7 +115,7 @@ def setup(c: ml_collections.ConfigDict, workdir: str) -> Run:
     data = build.data(c, tokenizer, workdir, mesh)
     model = build.model(c, tokenizer, mesh)
   except (ValueError, KeyError, OSError) as e:
-    raise SetupError(str(e).strip("'\"") or repr(e)) from e
+    raise SetupError(cli.error_text(e)) from e
   # The tuning guidance is for pretrained checkpoints, not the tiny from-scratch runs.
   for warning in controls.config_warnings(
       lr=c.rl.lr, group_size=c.rl.group_size, epsilon=c.rl.epsilon,
