@@ -135,6 +135,15 @@ def base_model(c: ml_collections.ConfigDict, tokenizer, mesh=None) -> nnx.Module
   return models.create(cfg, seed=c.seed)
 
 
+def check_positions(c: ml_collections.ConfigDict, model: nnx.Module) -> None:
+  """A prompt and its completion must fit the model's positions (`max_seq_len`)."""
+  need, have = c.task.max_prompt_len + c.sampler.gen_length, model.config.max_seq_len
+  if need > have:
+    raise ValueError(f"config.task.max_prompt_len={c.task.max_prompt_len} + "
+                     f"config.sampler.gen_length={c.sampler.gen_length} = {need} positions exceed "
+                     f"the model's {have}")
+
+
 def adapt(c: ml_collections.ConfigDict, model: nnx.Module) -> nnx.Module:
   """`model` with the config's LoRA adapters (`lora.from_config`), in place: read from
   `model.lora_init`, or fresh (A from `config.seed`, B = 0; target names that select no module

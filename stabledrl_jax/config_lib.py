@@ -337,6 +337,15 @@ def validate(c: ml_collections.ConfigDict) -> None:
       bad("task.sft_blanks", "expected 0 (= task.blanks) or 1 to 12")
     if not 0 <= c.task.sft_unfilled < 1:
       bad("task.sft_unfilled", "must lie in [0, 1)")
+  if not c.model.checkpoint:  # a model built from these sizes (a checkpoint brings its own)
+    for key in ("model.n_layers", "model.d_model", "model.n_heads", "model.n_kv_heads",
+                "model.mlp_dim"):
+      if c.model[key.split(".")[1]] < 1:
+        bad(key, "must be >= 1")
+    if c.model.d_model % c.model.n_heads:
+      bad("model.d_model", f"must be a multiple of model.n_heads={c.model.n_heads}")
+    if c.model.n_heads % c.model.n_kv_heads:
+      bad("model.n_kv_heads", f"must divide model.n_heads={c.model.n_heads}")
   for key in ("model.param_dtype", "optim.moment_dtype"):
     if c[key.split(".")[0]][key.split(".")[1]] not in ("float32", "bfloat16"):
       bad(key, "expected float32 or bfloat16")

@@ -124,6 +124,7 @@ def main(argv):
   out_dir = f.output_dir or workdir or "."
   try:
     model, tokenizer, step = cli.load_policy(c, workdir, f.step)
+    build.check_positions(c, model)
     task = build.task(c)
     examples = build.held_out(c, task, os.path.join(out_dir, "data"))[:f.max_examples]
     if not examples:

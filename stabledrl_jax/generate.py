@@ -28,20 +28,43 @@ def define_flags() -> None:
   flags.DEFINE_string("prompts_file", None, "A file with one prompt per line.")
   flags.DEFINE_bool("raw", False, "Do not apply the chat template.")
   flags.DEFINE_bool("show_order", False, "Print each token's commit step.")
+  flags.DEFINE_bool("truncate_prompts", False, "Keep the last tokens of a prompt too long for the "
+                    "model's positions (default: an error naming the prompt).")
 
 
-def read_prompts() -> list[str]:
-  prompts = list(flags.FLAGS.prompt)
-  if flags.FLAGS.prompts_file:
-    with open(flags.FLAGS.prompts_file) as f:
-      prompts += [line.rstrip("\n") for line in f if line.strip()]
+def read_prompts(given: list[str], prompts_file: str | None) -> list[str]:
+  """`given` (--prompt), then `prompts_file`'s lines (UTF-8; a line that is not names the file
+  and line), else stdin's."""
+  prompts = list(given)
+  if prompts_file:
+    with open(prompts_file, "rb") as f:
+      for lineno, raw in enumerate(f, start=1):
+        try:
+          line = raw.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError as e:
+          raise ValueError(f"{prompts_file}, line {lineno}: not UTF-8 text ({e})") from None
+        if line.strip():
+          prompts.append(line)
   if not prompts and not sys.stdin.isatty():
     prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
   return prompts
 
 
-def encode(tokenizer, prompts: list[str], chat: bool) -> tuple[np.ndarray, np.ndarray]:
-  """Left-padded ids and mask `[B, P]` (P: the longest prompt)."""
+def fit(encoded: list[list[int]], positions: int, truncate: bool) -> list[list[int]]:
+  """Each prompt's ids within `positions` (the model's, less the completion's): its last
+  `positions` ids with `truncate`, else a `ValueError` naming the first prompt too long."""
+  for b, ids in enumerate(encoded):
+    if len(ids) > positions and not truncate:
+      raise ValueError(f"prompt {b + 1} has {len(ids)} tokens; the model holds {positions} besides "
+                       "the completion (sampler.gen_length): shorten it, or pass "
+                       "--truncate_prompts to keep its last tokens")
+  return [ids[-positions:] if positions > 0 else [] for ids in encoded]
+
+
+def encode(tokenizer, prompts: list[str], chat: bool, positions: int | None = None,
+           truncate: bool = False) -> tuple[np.ndarray, np.ndarray]:
+  """Left-padded ids and mask `[B, P]` (P: the longest prompt), each within `positions`
+  (`fit`)."""
   encoded = []
   for text in prompts:
     if chat:
@@ -49,6 +72,8 @@ def encode(tokenizer, prompts: list[str], chat: bool) -> tuple[np.ndarray, np.nd
     else:
       ids = ([tokenizer.bos_id] if tokenizer.bos_id >= 0 else []) + tokenizer.encode(text)
     encoded.append(ids)
+  if positions is not None:
+    encoded = fit(encoded, positions, truncate)
   length = max(len(ids) for ids in encoded)
   ids_BxP = np.full((len(prompts), length), tokenizer.pad_id, np.int32)
   mask_BxP = np.zeros((len(prompts), length), bool)
@@ -70,9 +95,9 @@ def commit_order(tokenizer, rollout, row: int) -> str:
 def main(argv):
   c, workdir = cli.setup(argv)
   try:
-    prompts = read_prompts()
-  except OSError as e:
-    cli.fail(f"--prompts_file: {e}")
+    prompts = read_prompts(flags.FLAGS.prompt, flags.FLAGS.prompts_file)
+  except (OSError, ValueError) as e:
+    cli.fail(f"--prompts_file: {cli.error_text(e)}")
   if not prompts:
     cli.fail("no prompts: give --prompt, --prompts_file or lines on stdin")
   try:
@@ -80,7 +105,11 @@ def main(argv):
   except cli.PolicyError as e:
     cli.fail(str(e))
   chat = not flags.FLAGS.raw and bool(getattr(tokenizer, "chat_template", None))
-  ids, mask = encode(tokenizer, prompts, chat)
+  try:
+    ids, mask = encode(tokenizer, prompts, chat, model.config.max_seq_len - c.sampler.gen_length,
+                       flags.FLAGS.truncate_prompts)
+  except ValueError as e:
+    cli.fail(str(e))
   rollout = samplers.generate(model, ids, mask, jax.random.key(c.seed),
                               build.eval_sampling(c, c.sampler.temperature))
   completions = sharding.to_host(rollout.completion_BxC)

@@ -89,7 +89,10 @@ class Objective:
              "the adversarial mode swaps random masks; rl.scheme=trajectory has none (set 0)")
     _check(self.coupling in ("coupled", "independent"), "coupling", self.coupling,
            "expected 'coupled' or 'independent'")
-    _check(self.group_size >= 1, "group_size", self.group_size, "must be >= 1")
+    _check(self.group_size >= (2 if self.spec.weights == "advantage" else 1), "group_size",
+           self.group_size, "must be >= 1" if self.spec.weights != "advantage" else
+           f"must be >= 2: {self.name}'s advantages compare the rollouts of a group (one alone "
+           "has advantage 0 and nothing to learn)")
     _check(self.num_samples >= 1, "num_samples", self.num_samples, "must be >= 1")
     _check(self.scheme != "complementary" or self.num_samples % 2 == 0, "num_samples",
            self.num_samples, "rl.scheme=complementary draws masks in pairs: make it even")

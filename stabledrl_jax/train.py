@@ -114,6 +114,7 @@ def setup(c: ml_collections.ConfigDict, workdir: str) -> Run:
     tokenizer = build.tokenizer(c)
     data = build.data(c, tokenizer, workdir, mesh)
     model = build.model(c, tokenizer, mesh)
+    build.check_positions(c, model)
   except (ValueError, KeyError, OSError) as e:
     raise SetupError(cli.error_text(e)) from e
   # The tuning guidance is for pretrained checkpoints, not the tiny from-scratch runs.

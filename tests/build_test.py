@@ -1,5 +1,7 @@
 """Tests for stabledrl_jax.build's settings: every section's settings class built from the config,
 each bad value a one-line error naming its key."""
+import types
+
 import pytest
 
 from stabledrl_jax import build, config_lib, rollouts
@@ -20,6 +22,13 @@ def config(family="sdar", **edits):
     ("sdar", {"rl__epsilon_high": 0.3}, "rl.epsilon_high"),  # stabledrl has no upper PPO clip
     ("sdar", {"stability__kl_consecutive": 0}, "stability.kl_consecutive"),
     ("sdar", {"stability__kl_metric": "kl_k2"}, "stability.kl_metric"),
+    ("sdar", {"model__d_model": 0}, "model.d_model"),
+    ("llada", {"model__mlp_dim": 0}, "model.mlp_dim"),
+    ("sdar", {"model__n_layers": 0}, "model.n_layers"),
+    ("sdar", {"model__n_heads": 0}, "model.n_heads"),
+    ("sdar", {"model__n_heads": 3}, "model.d_model"),  # 128 is no multiple of 3
+    ("sdar", {"rl__group_size": 1}, "rl.group_size"),  # every advantage would be 0
+    ("sdar", {"task__invalid_reward": "skip"}, "task.invalid_reward"),
 ])
 def test_new_keys_are_checked_and_named(family, edits, named):
   with pytest.raises(ValueError, match="^config." + named.replace(".", r"\.") + "="):
@@ -100,3 +109,12 @@ def test_dream_builds_its_sampler_settings_and_a_tiny_dream_model():
     cfg = build.model(config(family), tok).config
     assert (cfg.family, cfg.model_type, cfg.block_size, cfg.qkv_bias) == (
         family, family, block, False)
+
+
+def test_rft_learns_from_single_rollouts_and_positions_are_checked():
+  build.settings(config("sdar", rl__objective="rft", rl__group_size=1))
+  model = types.SimpleNamespace(config=types.SimpleNamespace(max_seq_len=256))
+  build.check_positions(config("sdar", task__max_prompt_len=244, sampler__gen_length=12), model)
+  with pytest.raises(ValueError, match=r"^config\.task\.max_prompt_len=245 \+ config\.sampler\."
+                     r"gen_length=12 = 257 positions exceed the model's 256$"):
+    build.check_positions(config("sdar", task__max_prompt_len=245, sampler__gen_length=12), model)
