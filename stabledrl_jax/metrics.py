@@ -97,7 +97,7 @@ class MetricsWriter:
     self.eval_path = os.path.join(workdir, "eval.jsonl")
     self.total = total_steps
     self.stage_ends = stage_ends or {}
-    self._stage, self._stage_t0, self._stage_steps = None, time.time(), 0
+    self._first: tuple[str, int, float] | None = None  # (stage, step, when): the ETA's origin
     self._tb = None
     self._thread = None
     self._error: BaseException | None = None
@@ -109,7 +109,12 @@ class MetricsWriter:
       else:
         truncate_jsonl(p, resume_step)
     from tensorboardX import SummaryWriter
-    self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+    # TensorBoard hides the events of steps >= purge_step written before: those a resumed run
+    # repeats (a fresh start: all of an earlier attempt's), as metrics.jsonl is cut. The suffix
+    # keeps a restart within the same second from overwriting the file (named by the second).
+    self._tb = SummaryWriter(os.path.join(workdir, "tb"),
+                             purge_step=0 if resume_step is None else resume_step + 1,
+                             filename_suffix=f".{time.time_ns()}")
     self._queue: queue.Queue = queue.Queue()
     self._thread = threading.Thread(target=self._drain, name="metrics-writer", daemon=True)
     self._thread.start()
@@ -153,23 +158,35 @@ class MetricsWriter:
       if k != "step" and isinstance(v, (int, float)):
         self._tb.add_scalar(prefix + k, v, step)
 
+  def stage_span(self, stage: str) -> tuple[int, int]:
+    """[start, end) of `stage`'s steps: it ends at its `stage_ends` entry and starts at the end of
+    the stage before it (one stage of `total` without `stage_ends`)."""
+    end = self.stage_ends.get(stage, self.total)
+    return max((e for s, e in self.stage_ends.items() if s != stage and e <= end), default=0), end
+
   def progress(self, step: int, stage: str, record: dict[str, Any]) -> None:
-    """The console line of `step`; its ETA is the stage's: its steps left at its own rate so far."""
-    if stage != self._stage:  # a new stage: a new rate (RL steps cost far more than SFT steps)
-      self._stage, self._stage_t0, self._stage_steps = stage, time.time() - record.get("step_s", 0.0), 0
-    self._stage_steps += 1
+    """The console line of `step`: `[stage] done/of the stage (step N)`, and the stage's ETA: its
+    steps left at its own rate since the first step this process logged in it, which is left
+    out (it compiles); a stage's own rate, as RL steps cost far more than SFT steps."""
+    now = time.time()
+    if self._first is None or self._first[0] != stage:
+      self._first = (stage, step, now)
     if not self.active:
       return
-    elapsed = time.time() - self._stage_t0
-    eta = elapsed / self._stage_steps * (self.stage_ends.get(stage, self.total) - step - 1)
-    parts = [f"[{stage}] step {step}/{self.total}", f"loss {record['loss']:.4f}"]
+    start, end = self.stage_span(stage)
+    _, first, t_first = self._first
+    eta = "after the next step"  # the first step's time is mostly compilation
+    if step > first:
+      left = (now - t_first) / (step - first) * (end - step - 1)
+      eta = f"{int(left // 60)}m{int(left % 60):02d}s"
+    parts = [f"[{stage}] {step - start + 1}/{end - start} (step {step})",
+             f"loss {record['loss']:.4f}"]
     if "reward_mean" in record:
       parts.append(f"reward {record['reward_mean']:.3f}")
     parts += [f"grad {record['grad_norm']:.3g}"]
     if "clip_fraction" in record:
       parts.append(f"clip {record['clip_fraction']:.2f}")
-    parts += [f"{record['tokens_per_s']:.0f} tok/s",
-              f"ETA {stage} {int(eta // 60)}m{int(eta % 60):02d}s"]
+    parts += [f"{record['tokens_per_s']:.0f} tok/s", f"ETA {stage} {eta}"]
     if record.get("events"):
       parts.append("EVENT " + ", ".join(record["events"]))
     print(" | ".join(parts), flush=True)
