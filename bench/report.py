@@ -100,7 +100,7 @@ def key_comments(source: str) -> dict[str, str]:
 def config_reference() -> str:
   from stabledrl_jax import config_lib
 
-  families = config_lib.FAMILIES
+  families = [f for f in config_lib.FAMILIES if os.path.exists(os.path.join(REPO, "configs", f"{f}.py"))]
   trees = {f: flat(config_lib.base_config(f).to_dict()) for f in families}
   comments = key_comments(open(os.path.join(REPO, "stabledrl_jax", "config_lib.py")).read())
   out = ["# Config reference", "", GENERATED.strip(), "",
@@ -196,7 +196,8 @@ def presets_reference() -> str:
          "there; the functions' docstrings cite the published sources (papers, official code and "
          "configs). Every key's meaning: [config.md](config.md).", ""]
   tables = {}
-  for family in config_lib.FAMILIES:
+  for family in [f for f in config_lib.FAMILIES
+                 if os.path.exists(os.path.join(REPO, "configs", f"{f}.py"))]:
     tiny = flat(config_lib.config(family, "tiny").to_dict())
     for preset in presets.PRESETS[1:]:
       try:
@@ -216,16 +217,30 @@ def presets_reference() -> str:
         else:
           source = ""
         out.append(f"| `{key}` | {code(tiny[key])} | {code(value)} | {cell(source)} |")
-  chosen = [p for p in ("8b", "8b_official", "8b_lora", "8b_ar") if ("llada", p) in tables]
-  out += ["", "## LLaDA's checkpoint presets side by side", "",
-          "The keys on which " + ", ".join(f"`{p}`" for p in chosen) + " differ (sources above):",
-          "", "| key | " + " | ".join(f"`{p}`" for p in chosen) + " |",
-          "|---|" + "---|" * len(chosen)]
-  for key in tables[("llada", chosen[0])]:
-    vals = [tables[("llada", p)][key] for p in chosen]
-    if len({json.dumps(v) for v in vals}) > 1:
-      out.append(f"| `{key}` | " + " | ".join(code(v) for v in vals) + " |")
+  out += ["", "## LLaDA's checkpoint presets side by side", "", side_by_side()]
   return "\n".join(out) + "\n"
+
+
+def side_by_side(family: str = "llada", chosen=("8b", "8b_official", "8b_lora", "8b_ar")) -> str:
+  """The keys on which the checkpoint presets differ, each value with the presets.py function
+  that set it where it is not the shared checkpoint settings' (`apply_preset`)."""
+  from stabledrl_jax import presets
+
+  lines = open(presets.__file__).read().splitlines()
+  recorded = {p: recorded_preset(family, p) for p in chosen}
+  values = {p: flat(c.to_dict()) for p, (c, _) in recorded.items()}
+  out = ["| key | " + " | ".join(f"`{p}`" for p in chosen) + " |", "|---|" + "---|" * len(chosen)]
+  for key in values[chosen[0]]:
+    vals = [values[p][key] for p in chosen]
+    if len({json.dumps(v) for v in vals}) == 1:
+      continue
+    cells = []
+    for p, v in zip(chosen, vals):
+      where = recorded[p][1].get(key)
+      function = line_source(lines, where)[0] if where else "base_config"
+      cells.append(code(v) + ("" if function in ("apply_preset", "base_config") else f" ({function})"))
+    out.append(f"| `{key}` | " + " | ".join(cells) + " |")
+  return "\n".join(out)
 
 
 # ----------------------------------------------------------------------------- commands
@@ -360,6 +375,8 @@ def _scarce_demos_table() -> str:
 def table(source: str) -> str:
   if source == "bench/scarce_demos.py --table":
     return _scarce_demos_table()
+  if source == "presets side by side":
+    return side_by_side()
   if source.startswith("results/"):
     return results_table(source.split("/", 1)[1])
   raise ValueError(f"unknown table source {source!r}")

@@ -7,7 +7,7 @@ prediction, its own sampler (`diffusion_generate`).
   python -m stabledrl_jax.main --config=configs/dream.py:7b \
       --config.model.checkpoint=/path/to/Dream-v0-Instruct-7B --workdir=gs://bucket/runs/dream7b \
       --config.task.source_dir=/path/to/gsm8k   # train.jsonl, test.jsonl; or --config.task.source=public
-  # 7b fits a v5p-8 as it is; on a v6e-8 add --config.rl.accumulation=8 (BUILD.md, ahead-of-time fit check)
+  # 7b fits a v5p-8 as it is; on a v6e-8 add --config.rl.accumulation=8 (docs/training.md, flags per accelerator)
 
 Override any key with --config.a.b=value (e.g. --config.sampler.alg=maskgit_plus). The presets
 are in `stabledrl_jax/presets.py`, every key's default in `stabledrl_jax/config_lib.py`.

@@ -97,9 +97,9 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.task.data_dir = ""          # TFDS array_record cache; "" = WORKDIR/data
   c.task.blanks = 11            # Sudoku: blanks per puzzle (RL and evaluation)
   c.task.sft_blanks = 8         # Sudoku: blanks per SFT puzzle (0 = task.blanks); SFT on easier
-                                # puzzles than RL sees (README: what each setting measured)
+                                # puzzles than RL sees (docs/results.md, earlier runs)
   c.task.sft_unfilled = 0.5     # Sudoku: the SFT demonstrator leaves each blank empty ("0") with
-                                # this probability; RL on the true reward undoes it (README)
+                                # this probability; RL on the true reward undoes it (docs/results.md)
   c.task.num_train = 20_000
   c.task.num_test = 256
   c.task.max_prompt_len = 12
@@ -116,7 +116,7 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.task.invalid_reward = "error"
 
   c.sft = ml_collections.ConfigDict()
-  # At most; stopped at partial skill by sft.stop_at_accuracy (README: What RL does in the main
+  # At most; stopped at partial skill by sft.stop_at_accuracy (docs/results.md: the main
   # job); full attention learns slower.
   c.sft.steps = 200 if family == "sdar" else 300
   c.sft.batch_size = 64
@@ -144,8 +144,8 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.rl.group_size = 8           # G
   c.rl.updates_per_batch = 2    # μ optimiser steps on the same rollouts
   c.rl.accumulation = 1         # micro-batches per optimiser step (each a whole number of groups)
-  c.rl.lr = 3e-5                # about the longest safe step bench/rl_step_probe.py measured (README)
-  c.rl.warmup_steps = 20        # optimiser updates (README: What RL does in the main job)
+  c.rl.lr = 3e-5                # about the longest safe step bench/rl_step_probe.py measured (docs/results.md)
+  c.rl.warmup_steps = 20        # optimiser updates (docs/results.md: the main job)
   # estimators.SCHEMES, or "trajectory": TraceRL's likelihood of the steps the sampler took
   # (estimators.trajectory_masks); it runs ceil(sampler.steps / rl.trajectory_shrink) forwards
   # (SDAR: per block, all blocks in each) and ignores num_samples, coupling, p_mask_prompt
@@ -184,7 +184,7 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   # instead of 12; changes the numerics: the moments are rounded every step).
   c.optim.moment_dtype = "float32"
   # True: the moments stay in host memory between updates and are copied to the accelerators for
-  # each update (same numbers): 3.2 GiB less per chip for LLaDA-8B on v6e-8 (BUILD.md,
+  # each update (same numbers): 3.2 GiB less per chip for LLaDA-8B on v6e-8 (docs/scaling.md,
   # ahead-of-time fit check), at the cost of two host-device copies per update.
   c.optim.offload_state = False
 
@@ -225,7 +225,7 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.eval.fast = False           # True: decode with the rollouts' fast settings (sampler.cache, ...)
 
   # Stability detectors (docs/method.md §8, `detectors.MonitorConfig`): events go to metrics.jsonl and the
-  # console, each naming its row of the README's Troubleshooting table.
+  # console, each naming its row of docs/stability.md's Troubleshooting table.
   c.stability = ml_collections.ConfigDict()
   c.stability.entropy_band = True         # token entropy leaves its running band (either collapse)
   c.stability.entropy_z = 5.0

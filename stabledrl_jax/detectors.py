@@ -8,7 +8,7 @@ the device. Which detectors run, and their thresholds, come from `config.stabili
 it had never stopped.
 
 Detector events name a row of `TROUBLESHOOTING` (symptom → likely cause → config change), the
-same table `troubleshooting_markdown()` renders into the README's Troubleshooting section.
+same table `troubleshooting_markdown()` renders into docs/stability.md's Troubleshooting section.
 """
 from __future__ import annotations
 
@@ -79,9 +79,9 @@ TROUBLESHOOTING: dict[str, Row] = {
 
 
 def troubleshooting_markdown() -> str:
-  """The troubleshooting table as the README's markdown section (the test keeps them equal)."""
+  """The troubleshooting table as docs/stability.md's section (the test keeps them equal)."""
   lines = [
-      "### Troubleshooting",
+      "## Troubleshooting",
       "",
       "Generated from `stabledrl_jax.detectors.TROUBLESHOOTING`; detector events name the row key.",
       "",

@@ -29,7 +29,7 @@ def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
     raise ValueError(f"config preset {preset!r} with family={c.family!r}: the {c.family} "
                      f"checkpoint preset is {want!r}")
   if preset in ("sudoku", "smoke"):
-    # README "The Sudoku job": SFT imitates a demonstrator that leaves each blank empty with
+    # The Sudoku job (docs/results.md, earlier runs): SFT imitates a demonstrator that leaves each blank empty with
     # probability task.sft_unfilled; RL on the true reward undoes it. The smoke run is a few steps
     # of it: Sudoku's partial credit gives rewards after a few SFT steps, sorting's does not.
     c.task.name, c.task.num_train, c.task.max_prompt_len = "sudoku", 2000, 24
@@ -72,13 +72,13 @@ def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
       c.model.preset = "llada_8b"
       c.rl.accumulation = 4
       # Rollouts: gen 256, block 32, 128 steps (docs/method.md §6), with the block-wise KV cache
-      # (README: Fast LLaDA rollouts; 8b_official decodes exactly, as the official code).
+      # (docs/fast_rollouts.md; 8b_official decodes exactly, as the official code).
       c.sampler.block_length, c.sampler.steps = 32, 128
       c.sampler.cache = "none" if preset == "8b_official" else "dual"
     else:
       c.model.preset = "sdar_8b"
       c.sampler.block_length, c.sampler.steps = 4, 4  # denoising steps per block of 4
-      c.rl.accumulation = 8  # the same update in 8 micro-batches: fits 4 v5p chips (BUILD.md)
+      c.rl.accumulation = 8  # the same update in 8 micro-batches: fits 4 v5p chips (docs/scaling.md)
   if preset == "8b_official":
     official_gsm8k(c)
   if preset == "8b_ar":

@@ -72,7 +72,7 @@ def test_unknown_program_is_named():
 
 
 def test_offloaded_moments_are_abstract_host_arrays_and_compile():
-  # (XLA:CPU counts no separate host memory: the TPU figures are in BUILD.md.)
+  # (XLA:CPU counts no separate host memory: the TPU figures are in docs/scaling.md.)
   devices = jax.devices("cpu")[:8]
   c = _smoke(data=1, fsdp=8)
   c.optim.offload_state = True

@@ -83,6 +83,6 @@ def reference_completion(example: base.Example) -> str:
 TASK = base.Task.of_module(
     "sorting", sys.modules[__name__],
     extra_rewards={"exact": lambda completion, example: float(is_correct(completion, example))},
-    # Partial credit alone saturates (0.9 mean reward at 40% exactly sorted, README): half of the
+    # Partial credit alone saturates (0.9 mean reward at 40% exactly sorted, measured on the main job): half of the
     # reward is for the whole answer.
     default_weights={"correctness": 0.5, "exact": 0.5})
