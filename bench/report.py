@@ -70,7 +70,7 @@ def key_comments(source: str) -> dict[str, str]:
   start = next(i for i, line in enumerate(lines) if line.startswith("def base_config"))
   comments: dict[str, str] = {}
   pending: list[str] = []
-  last, last_indent = None, 0
+  last, last_indent, run_block = None, 0, ""
   for line in lines[start + 1:]:
     if line.startswith("def "):
       break
@@ -85,14 +85,17 @@ def key_comments(source: str) -> dict[str, str]:
         last = None
       continue
     if not stripped:
-      pending, last = [], None
+      pending, last, run_block = [], None, ""
       continue
     m = re.match(r"^(\s*)c\.([\w.]+)\s*=\s*(.*)$", line)
     if not m:
       continue
     key, rest = m.group(2), m.group(3)
     own = rest.split("  #", 1)[1].strip() if "  #" in rest else ""
-    comments[key] = " ".join(pending + ([own] if own else []))
+    if pending:
+      run_block = " ".join(pending)
+    # a comment block above a run of lines speaks for each line of the run without its own
+    comments[key] = " ".join(pending + ([own] if own else [])) or run_block
     pending, last, last_indent = [], key, len(m.group(1)) + 1
   return comments
 

@@ -56,7 +56,7 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   """Defaults shared by every family: the tiny CPU run, clean SFT then RL on sorting digits.
   Dream (full attention, like LLaDA) takes LLaDA's defaults wherever the families differ."""
   c = ml_collections.ConfigDict()
-  c.seed = 0
+  c.seed = 0  # draws the model's initialisation, the data order, masks and rollouts
   # "llada" (full attention), "sdar" (block diffusion) or "dream" (full attention, shifted
   # prediction: models.config)
   c.family = family
@@ -65,14 +65,14 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.model.preset = "tiny"       # models.PRESETS name; shapes below override it
   c.model.checkpoint = ""       # Hugging Face directory (config.json + safetensors); "" = random init
   c.model.tokenizer = "char"    # "char" (the tiny task tokenizer) or a directory with tokenizer.json
-  c.model.n_layers = 4
-  c.model.d_model = 128
-  c.model.n_heads = 4
-  c.model.n_kv_heads = 4
-  c.model.mlp_dim = 384
-  c.model.compute_dtype = "float32"
+  c.model.n_layers = 4  # shapes of a model trained from scratch (a checkpoint has its own)
+  c.model.d_model = 128  # hidden size; a multiple of n_heads
+  c.model.n_heads = 4  # query heads
+  c.model.n_kv_heads = 4  # key/value heads (grouped-query attention); divides n_heads
+  c.model.mlp_dim = 384  # MLP hidden size
+  c.model.compute_dtype = "float32"  # activations' dtype; the checkpoint presets: bfloat16
   c.model.param_dtype = "float32"   # stored weights; bfloat16 halves a LoRA run's frozen base
-  c.model.remat = False
+  c.model.remat = False  # recompute each block in the backward pass (the checkpoint presets: True)
   c.model.remat_policy = "nothing"  # with remat: "nothing" | "dots" | "dots_no_batch" saved
   c.model.attention_impl = "dense"  # "blockwise": key tiles, no [heads, T, S] scores
   c.model.attention_tile = 512      # key positions per blockwise tile
@@ -100,9 +100,9 @@ def base_config(family: str) -> ml_collections.ConfigDict:
                                 # puzzles than RL sees (docs/results.md, earlier runs)
   c.task.sft_unfilled = 0.5     # Sudoku: the SFT demonstrator leaves each blank empty ("0") with
                                 # this probability; RL on the true reward undoes it (docs/results.md)
-  c.task.num_train = 20_000
-  c.task.num_test = 256
-  c.task.max_prompt_len = 12
+  c.task.num_train = 20_000  # task.source='generated': training examples generated
+  c.task.num_test = 256  # task.source='generated': held-out examples generated
+  c.task.max_prompt_len = 12  # prompt tokens (left-padded); longer prompts are an error
   c.task.prompt_style = "compact"  # "compact" (tiny models) or "plain" (pretrained models)
   c.task.chat = False           # wrap plain prompts in the tokenizer's chat template
   # {reward name: weight} (Task.rewards); empty: the task's own mix (Task.default_weights; sorting:
@@ -119,16 +119,17 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   # At most; stopped at partial skill by sft.stop_at_accuracy (docs/results.md: the main
   # job); full attention learns slower.
   c.sft.steps = 200 if family == "sdar" else 300
-  c.sft.batch_size = 64
-  c.sft.lr = 1e-3
-  c.sft.warmup_steps = 20 if family == "sdar" else 40
+  c.sft.batch_size = 64  # sequences per SFT step
+  c.sft.lr = 1e-3  # peak learning rate (warmup, then linear decay over the stage)
+  c.sft.warmup_steps = 20 if family == "sdar" else 40  # linear warmup of the SFT learning rate
+  # the masked-diffusion SFT loss's mask scheme (estimators.SCHEMES)
   c.sft.scheme = "block_t" if family == "sdar" else "random_t"
   # > 0: stop SFT (sft.steps at most) at the first check whose greedy accuracy on the last
   # sft.validation_examples training examples (never held-out ones) reaches this, one check every
   # sft.check_every steps; 0: sft.steps steps
   c.sft.stop_at_accuracy = 0.3
-  c.sft.check_every = 2
-  c.sft.validation_examples = 256
+  c.sft.check_every = 2  # SFT steps between validation checks (sft.stop_at_accuracy)
+  c.sft.validation_examples = 256  # the last training examples, decoded greedily at each check
   # > 0: SFT runs to its plateau instead (excludes sft.stop_at_accuracy): a check every
   # sft.check_every steps and at sft.steps, the best-accuracy weights kept (WORKDIR/sft_best); it
   # stops after this many checks without a better one and RL starts from the best weights
@@ -138,9 +139,10 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.sft.num_demonstrations = 0
 
   c.rl = ml_collections.ConfigDict()
-  c.rl.steps = 60
+  c.rl.steps = 60  # RL steps, each one rollout batch and rl.updates_per_batch optimiser updates
+  # rl.OBJECTIVES: stabledrl, stabledrl_spg, grpo, espo, spg, spg_is, wd1, rft
   c.rl.objective = "stabledrl"
-  c.rl.prompts_per_step = 16
+  c.rl.prompts_per_step = 16  # prompts per RL step, each rolled out rl.group_size times
   c.rl.group_size = 8           # G
   c.rl.updates_per_batch = 2    # μ optimiser steps on the same rollouts
   c.rl.accumulation = 1         # micro-batches per optimiser step (each a whole number of groups)
@@ -156,6 +158,7 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   # (0: all M at once); bounds the trajectory scheme's memory, whose M is its forwards
   c.rl.copies_per_pass = 0
   c.rl.coupling = "coupled"     # or "independent" (the official code)
+  # probability of masking each prompt token in the likelihood's masks
   c.rl.p_mask_prompt = 0.0 if family == "sdar" else 0.15
   c.rl.min_mask_prob = 1e-3     # ε of the masking level t ~ U[ε, 1] (complementary: U[ε, 1 - ε];
                                 # DiffuCoder's coupled-GRPO samples t in [0.2, 0.8])
@@ -165,8 +168,8 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.rl.epsilon_high = 0.0       # GRPO's upper clip ("clip-higher"); 0 = rl.ppo_epsilon
   c.rl.kl_coef = 0.0            # > 0 keeps a frozen reference model (GRPO k3, ESPO k2)
   c.rl.advantage = "mean"       # mean | mean_std | leave_one_out
-  c.rl.spg_omega = 0.5
-  c.rl.spg_beta = 1.5
+  c.rl.spg_omega = 0.5  # SPG: weight of the EUBO in the surrogate of negative-advantage rows
+  c.rl.spg_beta = 1.5  # SPG: the Rényi order β of the EUBO
   c.rl.adversarial = 0.0        # > 0: docs/method.md §8 ratio explosion on this fraction of rollouts (0.7)
   c.rl.filter_zero_advantage = False  # DAPO dynamic sampling: refill groups with equal rewards
   c.rl.max_prompt_draws = 4     # ... drawing at most this many prompt batches a step (first too)
@@ -177,8 +180,8 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.optim = ml_collections.ConfigDict()
   c.optim.b1 = 0.9
   c.optim.b2 = 0.99
-  c.optim.weight_decay = 0.1
-  c.optim.grad_clip = 1.0
+  c.optim.weight_decay = 0.1  # AdamW's decoupled weight decay
+  c.optim.grad_clip = 1.0  # global-norm clip of each update (the checkpoint presets: 0.2, official)
   c.optim.decay_steps = 0       # linear decay to 0 over this many steps; 0 = the stage length
   # AdamW's two moments: float32, or bfloat16 (weights and moments take 8 bytes per parameter
   # instead of 12; changes the numerics: the moments are rounded every step).
@@ -220,51 +223,51 @@ def base_config(family: str) -> ml_collections.ConfigDict:
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 20             # RL steps between held-out evaluations
-  c.eval.num_examples = 256
-  c.eval.batch_size = 128
+  c.eval.num_examples = 256  # held-out examples per evaluation
+  c.eval.batch_size = 128  # rows decoded at once in evaluation
   c.eval.fast = False           # True: decode with the rollouts' fast settings (sampler.cache, ...)
 
   # Stability detectors (docs/method.md §8, `detectors.MonitorConfig`): events go to metrics.jsonl and the
   # console, each naming its row of docs/stability.md's Troubleshooting table.
   c.stability = ml_collections.ConfigDict()
   c.stability.entropy_band = True         # token entropy leaves its running band (either collapse)
-  c.stability.entropy_z = 5.0
+  c.stability.entropy_z = 5.0  # band half-width in running standard deviations
   c.stability.repetition = True           # low-entropy collapse: repeated 4-grams in rollouts
-  c.stability.repetition_threshold = 0.5
-  c.stability.repetition_consecutive = 2
+  c.stability.repetition_threshold = 0.5  # repeated 4-gram rate that counts
+  c.stability.repetition_consecutive = 2  # steps running above it before the event
   c.stability.kl_alarm = True             # KL(old‖new) per token above threshold, 3 steps running
   c.stability.kl_metric = "kl_k3"           # kl_k1 or kl_k3 (`diagnostics.kl_estimates`)
-  c.stability.kl_threshold = 0.8
-  c.stability.kl_consecutive = 3
+  c.stability.kl_threshold = 0.8  # KL(old‖new) per token that counts
+  c.stability.kl_consecutive = 3  # steps running above it before the event
   c.stability.zero_advantage = True       # most groups carry no learning signal
-  c.stability.zero_advantage_threshold = 0.9
-  c.stability.zero_advantage_consecutive = 10
+  c.stability.zero_advantage_threshold = 0.9  # fraction of groups with equal rewards that counts
+  c.stability.zero_advantage_consecutive = 10  # steps running above it before the event
   c.stability.clip_band = False           # clip fraction outside [clip_low, clip_high]
   # The healthy clip-fraction band, also the adaptive ε control's target (controls.adaptive_epsilon).
   c.stability.clip_low = 0.10
   c.stability.clip_high = 0.15
-  c.stability.clip_consecutive = 20
+  c.stability.clip_consecutive = 20  # steps running outside the band before the event
   c.stability.stop_on_event = False       # True: checkpoint and stop at the first event
 
   # Optional controls (docs/method.md §8, `controls.ControlConfig`), all off: they move the clip ε of the
   # objective (rl.epsilon, or rl.ppo_epsilon for grpo/espo) and scale the learning rate.
   c.controls = ml_collections.ConfigDict()
   c.controls.epsilon_schedule = False     # conservative_epsilon for the first part of RL
-  c.controls.conservative_epsilon = 1.0
-  c.controls.conservative_fraction = 0.2
+  c.controls.conservative_epsilon = 1.0  # the schedule's ε at the start
+  c.controls.conservative_fraction = 0.2  # of the RL steps, then ε ramps to its configured value
   c.controls.adaptive_epsilon = False     # hold the clip fraction in stability.clip_low/high
-  c.controls.adaptive_every = 10
+  c.controls.adaptive_every = 10  # RL steps between adaptive ε adjustments
   c.controls.drift = False                # ε·(1 - α·KL) and lr·min(1, 0.5/(KL - threshold + 1))
-  c.controls.drift_metric = "kl_k3"
-  c.controls.drift_threshold = 0.5
-  c.controls.drift_alpha = 0.5
-  c.controls.drift_decay = 0.9
+  c.controls.drift_metric = "kl_k3"  # the KL estimate the drift control follows
+  c.controls.drift_threshold = 0.5  # smoothed KL above which the learning rate is braked
+  c.controls.drift_alpha = 0.5  # α of ε·(1 - α·KL)
+  c.controls.drift_decay = 0.9  # EMA decay of the smoothed KL
 
   # Device mesh (`sharding.make_mesh`): -1 takes the devices the other axes leave.
   c.mesh = ml_collections.ConfigDict()
-  c.mesh.data = -1
-  c.mesh.fsdp = 1
-  c.mesh.tensor = 1
+  c.mesh.data = -1  # data parallel: each device holds whole parameters (unless fsdp)
+  c.mesh.fsdp = 1  # fully sharded: parameters and batch split over these devices
+  c.mesh.tensor = 1  # tensor parallel: heads, MLP and vocabulary split
   # The rollouts' mesh over the same devices (e.g. tensor-parallel decoding while the update runs
   # FSDP): the weights are resharded onto it before each rollout. All 0: the training mesh.
   c.rollout_mesh = ml_collections.ConfigDict()
@@ -273,12 +276,12 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.rollout_mesh.tensor = 0
 
   c.checkpoint = ml_collections.ConfigDict()
-  c.checkpoint.every = 50
-  c.checkpoint.keep = 2
+  c.checkpoint.every = 50  # steps between checkpoints (and at the end of each stage)
+  c.checkpoint.keep = 2  # the newest checkpoints kept; export --step=N needs N among them
   # The latest step fails to restore: True resumes from the previous complete step (the failed
   # one is renamed N.unreadable-<time>, and said); False stops naming the step and the cause.
   c.checkpoint.fallback = True
-  c.log_every = 1
+  c.log_every = 1  # steps between console progress lines (metrics.jsonl gets every step)
   return c
 
 

@@ -32,10 +32,13 @@ def base_config(family):
                 # and goes on
 
   c.a.z = 3
+  # a run's block
+  c.b.x = 4
+  c.b.y = 5
   return c
 '''
   assert report.key_comments(source) == {"a.x": "the block above own", "a.y": "starts and goes on",
-                                         "a.z": ""}
+                                         "a.z": "", "b.x": "a run's block", "b.y": "a run's block"}
 
 
 def test_a_marked_table_is_rewritten_from_its_results_file(tmp_path, monkeypatch):
