@@ -2,6 +2,8 @@
 weights, on the same SFT model, prompts and seeds (docs/method.md §8). One command:
 
   .venv/bin/python bench/stability.py --config=configs/sdar.py
+  .venv/bin/python bench/stability.py --config=configs/sdar.py:sudoku   # the task of the recorded
+                                      # table, docs/results/2026-12-03_stability_sudoku.json
 
 First the main command's SFT stage runs once (`--config.rl.steps=0`, in ROOT/sft); then, for each
 objective, RL starts from a copy of that checkpoint under two noise regimes:
