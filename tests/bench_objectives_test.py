@@ -64,7 +64,7 @@ def _rows(n, sft=2, **per_step):
 
 def test_summarise_rows_by_hand():
   events = [["kl_alarm"], None, ["low_entropy_collapse", "kl_alarm"], *[None] * 9]
-  top = [2.0, "nan", "inf", *[2.0] * 8, 30.0]  # metrics.jsonl writes non-finite norms as strings
+  top = [2.0, "nan", "inf", *[2.0] * 8, 30.0]  # older runs wrote non-finite norms as strings
   rows = _rows(12, grad_norm_max=top, events=events)
   rows[2 + 1]["grad_norm"] = "nan"
   evals = [{"tag": "before RL", "step": 2, "mean_reward": 0.25},
