@@ -242,7 +242,11 @@ def data(c: ml_collections.ConfigDict, tokenizer, workdir: str, mesh=None) -> Da
   for name, split in (("train", train), ("test", test), ("train (SFT)", sft_train)):
     if not len(split):
       raise ValueError(f"task {c.task.name!r}: the {name} split is empty")
-  check_reward(t, reward, [split[i] for split in (train, test) for i in range(min(3, len(split)))])
+  probe = [split[i] for split in (train, test) for i in range(min(3, len(split)))]
+  check_reward(t, reward, probe)
+  if c.sft.steps and t.reference_completion is not None:  # a target too long fails now
+    sft.encode_completions(tokenizer, [t.reference_completion(ex) for ex in probe],
+                           c.sampler.gen_length)
   common = dict(max_prompt_len=c.task.max_prompt_len, style=c.task.prompt_style, chat=c.task.chat,
                 num_threads=1)
   sft_it = iter(pipeline.prompt_batches(t, sft_train, tokenizer, batch_size=c.sft.batch_size,

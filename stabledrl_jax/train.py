@@ -73,6 +73,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   try:
     step = resume(r)
   except checkpointing.CheckpointError as e:
+    r.ckpt.close()
     raise SetupError(str(e)) from e
   for line in run_record.check(c.to_dict(), workdir, main_process=distributed.is_main(),
                                has_checkpoint=step > 0,

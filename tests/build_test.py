@@ -118,3 +118,12 @@ def test_rft_learns_from_single_rollouts_and_positions_are_checked():
   with pytest.raises(ValueError, match=r"^config\.task\.max_prompt_len=245 \+ config\.sampler\."
                      r"gen_length=12 = 257 positions exceed the model's 256$"):
     build.check_positions(config("sdar", task__max_prompt_len=245, sampler__gen_length=12), model)
+
+
+def test_an_sft_target_longer_than_the_completion_fails_before_the_first_step(tmp_path):
+  from stabledrl_jax.tasks.tokenizer import CharTokenizer
+  c = config("sdar", sampler__gen_length=8, task__num_train=16, task__num_test=4,
+             eval__num_examples=4)
+  with pytest.raises(ValueError, match=r"^SFT completion of 1\d tokens does not fit "
+                     r"sampler\.gen_length=8"):
+    build.data(c, CharTokenizer(), str(tmp_path), build.mesh(c))
