@@ -153,7 +153,7 @@ def main() -> None:
   p.add_argument("--config", default="configs/sdar.py")
   p.add_argument("--demos", default="512")
   p.add_argument("--seeds", default="0,1,2")
-  p.add_argument("--methods", default="stabledrl,rft,sft_more")
+  p.add_argument("--methods", default="stabledrl,rft,sft_more", help="empty: SFT's plateau alone")
   p.add_argument("--rl_steps", type=int, default=60)
   p.add_argument("--patience", type=int, default=4)
   p.add_argument("--check_every", type=int, default=10)
@@ -169,7 +169,7 @@ def main() -> None:
     print(text)
     return
   family = os.path.splitext(os.path.basename(args.config.partition(":")[0]))[0]
-  methods = args.methods.split(",")
+  methods = [m for m in args.methods.split(",") if m]  # none: SFT's plateau alone
   for m in methods:
     if m not in METHODS:
       sys.exit(f"--methods: unknown {m!r}; expected some of {METHODS}")
