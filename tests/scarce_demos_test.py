@@ -102,3 +102,11 @@ def test_committed_table_is_the_one_the_committed_results_give():
   page = (REPO / "docs" / "results" / "scarce_demos.md").read_text()
   committed = page.partition(bench.BEGIN)[2].partition(bench.END)[0].strip()
   assert committed == bench.table().strip()
+
+
+def test_verdict_needs_three_seeds_each_gaining_010_and_over_3x_the_plateau_spread():
+  bench = _bench()
+  assert bench.verdict("sdar", 128, [0.20, 0.15, 0.12], [0.30, 0.32, 0.33]).endswith("is met.")
+  assert "NOT met" in bench.verdict("sdar", 128, [0.20, 0.15], [0.30, 0.32])  # two seeds
+  assert "NOT met" in bench.verdict("sdar", 128, [0.20, 0.15, 0.09], [0.30, 0.32, 0.33])
+  assert "NOT met" in bench.verdict("sdar", 128, [0.20, 0.15, 0.12], [0.30, 0.32, 0.34])  # 3x 0.04
