@@ -18,7 +18,6 @@ config's own tiny model.
 """
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
@@ -27,7 +26,8 @@ import jax.numpy as jnp
 from absl import app, flags
 from flax import nnx
 
-from stabledrl_jax import build, cli, lora, models, optim, rl, rollouts, samplers, sharding
+from stabledrl_jax import (build, cli, lora, models, optim, rl, rollouts, samplers, sharding,
+                           storage)
 
 cli.define_flags("configs/sdar.py:8b", "Training config file.")
 _TOPOLOGY = flags.DEFINE_string("topology", "v5p:2x2x1", "TPU topology (e.g. v5p:4x4x4, "
@@ -62,7 +62,7 @@ def topology_devices(name: str) -> list:
 
 
 def model_config(c) -> models.ModelConfig:
-  if c.model.checkpoint and os.path.isdir(c.model.checkpoint):
+  if c.model.checkpoint and storage.path(c.model.checkpoint).is_dir():
     cfg = models.config_from_hf(models.huggingface.read_hf_config(c.model.checkpoint),
                                 compute_dtype=c.model.compute_dtype, param_dtype=c.model.param_dtype)
     return models.replace(cfg, **models.runtime_options(c.model))

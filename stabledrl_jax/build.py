@@ -14,7 +14,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from stabledrl_jax import (config_lib, controls, detectors, distributed, lora, models, rl,
-                           rollouts, sft, sharding, tasks)
+                           rollouts, sft, sharding, storage, tasks)
 from stabledrl_jax.rollouts import DreamSampling, LLaDASampling, SDARSampling
 from stabledrl_jax.tasks import base, datasets, pipeline
 from stabledrl_jax.tasks.tokenizer import CharTokenizer, HFTokenizer
@@ -80,7 +80,8 @@ def check_reward(t: tasks.Task, fn: base.WeightedReward, examples: list) -> None
 def tokenizer(c: ml_collections.ConfigDict):
   if c.model.tokenizer == "char":
     return CharTokenizer()
-  return HFTokenizer(c.model.tokenizer if os.path.isdir(c.model.tokenizer) else c.model.checkpoint)
+  return HFTokenizer(c.model.tokenizer if storage.path(c.model.tokenizer).is_dir()
+                     else c.model.checkpoint)
 
 
 def mesh(c: ml_collections.ConfigDict):

@@ -14,7 +14,6 @@ removed at start.
 """
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -24,7 +23,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
-from stabledrl_jax import lora
+from stabledrl_jax import lora, storage
 
 T = TypeVar("T")
 
@@ -59,10 +58,10 @@ def _abstract(tree):
 class Checkpointer:
   """Keep-N asynchronous checkpoints under `directory`; one per saved step."""
 
-  def __init__(self, directory: str, *, keep: int = 2, async_save: bool = True):
-    self.directory = os.path.abspath(directory)
+  def __init__(self, directory: str | storage.Path, *, keep: int = 2, async_save: bool = True):
+    self.directory = storage.path(directory)
     if jax.process_index() == 0:  # what killed saves left (Orbax's own cleanup runs late)
-      for tmp in epath.Path(self.directory).glob("*.orbax-checkpoint-tmp*"):
+      for tmp in self.directory.glob("*.orbax-checkpoint-tmp*"):
         tmp.rmtree()
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                            enable_async_checkpointing=async_save)
@@ -141,17 +140,17 @@ class Checkpointer:
     self._manager.close()
 
 
-def save_params(path: str, model: nnx.Module) -> None:
+def save_params(path: str | storage.Path, model: nnx.Module) -> None:
   """A one-off, atomic save of a model's trainable parameters (e.g. the frozen KL reference),
   replacing whatever `path` held."""
   with ocp.StandardCheckpointer() as saver:
-    saver.save(os.path.abspath(path), nnx.to_pure_dict(_params(model)), force=True)
+    saver.save(storage.path(path), nnx.to_pure_dict(_params(model)), force=True)
 
 
-def restore_params(path: str, model: nnx.Module) -> None:
+def restore_params(path: str | storage.Path, model: nnx.Module) -> None:
   """Load parameters written by `save_params` into `model` in place, in its shardings."""
   state = _params(model)
   with ocp.StandardCheckpointer() as loader:
-    loaded = loader.restore(os.path.abspath(path), _abstract(nnx.to_pure_dict(state)))
+    loaded = loader.restore(storage.path(path), _abstract(nnx.to_pure_dict(state)))
   nnx.replace_by_pure_dict(state, loaded)
   nnx.update(model, state)

@@ -24,7 +24,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from stabledrl_jax import build, checkpointing, config_lib, distributed, run_record
+from stabledrl_jax import build, checkpointing, config_lib, distributed, run_record, storage
 
 _WORKDIR_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workdir_config.py")
 
@@ -112,6 +112,8 @@ def log_to(workdir: str, create: bool = False) -> None:
   traceback go to `workdir`/debug.log, not the terminal (unless --verbosity or --logtostderr);
   `create`: make `workdir` (training's), else only an existing one is used."""
   global log_dir
+  if storage.is_remote(workdir):  # a bucket has no append: a fault's traceback goes to /tmp
+    return
   if create:
     with contextlib.suppress(OSError):
       os.makedirs(workdir, exist_ok=True)
@@ -245,7 +247,7 @@ def load_policy(c, workdir: str | None = None, step: int | None = None):
     raise PolicyError(error_text(e)) from e
   if workdir is None:
     return model, tokenizer, None
-  directory = os.path.join(workdir, "checkpoints")
+  directory = storage.path(workdir) / "checkpoints"
   ckpt = checkpointing.Checkpointer(directory)
   try:
     if step is None:  # the latest step that restores, said when it is not the latest

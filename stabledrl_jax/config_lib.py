@@ -18,6 +18,7 @@ import os
 
 import ml_collections
 
+from stabledrl_jax import storage
 from stabledrl_jax.models.config import FAMILIES
 from stabledrl_jax.presets import PRESETS, apply_preset, official_gsm8k  # noqa: F401 (the configs' API)
 
@@ -362,13 +363,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.model.tokenizer != "char" and not c.model.checkpoint:
     bad("model.tokenizer", "a Hugging Face tokenizer needs model.checkpoint")
   if c.model.checkpoint:
-    if not os.path.isdir(c.model.checkpoint):
+    if not storage.path(c.model.checkpoint).is_dir():
       bad("model.checkpoint", "no such directory")
   if c.task.source == "local":
     if not c.task.source_dir:
       bad("task.source_dir", "task.source='local' needs the folder of your data files "
           "(GSM8K: train.jsonl, test.jsonl); or set task.source=public to download GSM8K")
-    if not os.path.isdir(c.task.source_dir):
+    if not storage.path(c.task.source_dir).is_dir():
       bad("task.source_dir", "no such directory (task.source='local' reads files from it)")
   elif c.task.source not in ("generated", "public"):
     bad("task.source", "expected 'generated', 'local' or 'public'")

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from absl import flags
 
-from stabledrl_jax import build, cli, distributed, samplers, sharding
+from stabledrl_jax import build, cli, distributed, samplers, sharding, storage
 from stabledrl_jax.tasks import pipeline
 
 
@@ -138,17 +138,15 @@ def main(argv):
     temperature = 0.0 if k == 1 else c.sampler.temperature
   name = f.name or (f"step{step}" if step is not None else
                     os.path.basename(os.path.normpath(c.model.checkpoint or "init")))
-  out_path = os.path.join(out_dir, f"eval_{name}.jsonl")
-  os.makedirs(out_dir, exist_ok=True)
+  out_path = storage.path(out_dir) / f"eval_{name}.jsonl"
+  storage.makedirs(out_path.parent)
   try:
     s, rows = evaluate(c, model, tokenizer, task, examples, k=k, temperature=temperature,
                        show_progress=distributed.is_main())
   except (ValueError, KeyError) as e:  # e.g. a prompt longer than task.max_prompt_len
     cli.fail(str(e))
   if distributed.is_main():
-    with open(out_path, "w") as out:
-      for row in rows:
-        out.write(json.dumps(row) + "\n")
+    out_path.write_text("".join(json.dumps(row) + "\n" for row in rows))
   distributed.log(
       f"{task.name} test, {s['num_examples']} examples x {k} ({s['sampler']}): mean reward "
       f"{s['mean_reward']:.4f}, accuracy {s['accuracy']:.4f}, pass@{k} {s['pass_at_k']:.4f}, "

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 
 from absl import flags
-from stabledrl_jax import cli, distributed, lora, models
+from stabledrl_jax import cli, distributed, lora, models, storage
 
 MAX_SHARD_BYTES = 5 * 2**30
 
@@ -31,12 +31,12 @@ def default_dtype(c) -> str | None:
   return dtype if dtype in ("float32", "bfloat16", "float16") else None
 
 
-def adapter_dir(out_dir: str) -> str:
+def adapter_dir(out_dir: str | os.PathLike) -> str:
   """Where the export to `out_dir` writes a LoRA model's adapters alone: `out_dir` + "_adapter"."""
-  return out_dir.rstrip("/") + "_adapter"
+  return os.fspath(out_dir).rstrip("/") + "_adapter"
 
 
-def export(c, model, out_dir: str, *, dtype: str | None = None, replace: bool = False,
+def export(c, model, out_dir: str | os.PathLike, *, dtype: str | None = None, replace: bool = False,
            max_shard_bytes: int = MAX_SHARD_BYTES) -> str:
   """Write `model` to `out_dir` in the run's source format; returns `out_dir`. A model with LoRA
   adapters is written merged (`models.export_pretrained`), and its adapters alone to
@@ -57,7 +57,7 @@ def main(argv):
   try:
     targets = [f.out] + ([adapter_dir(f.out)] if lora.from_config(c) else [])
     for target in targets:  # refused before anything is loaded
-      if os.path.isdir(target) and os.listdir(target):
+      if storage.path(target).is_dir() and any(storage.path(target).iterdir()):
         raise models.huggingface.ExportError(f"export target {target} exists and is not empty")
     model, _, step = cli.load_policy(c, workdir, f.step)
     export(c, model, f.out, dtype=f.dtype)

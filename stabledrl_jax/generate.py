@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from absl import flags
 
-from stabledrl_jax import build, cli, distributed, samplers, sharding
+from stabledrl_jax import build, cli, distributed, samplers, sharding, storage
 
 
 def define_flags() -> None:
@@ -37,7 +37,7 @@ def read_prompts(given: list[str], prompts_file: str | None) -> list[str]:
   and line), else stdin's."""
   prompts = list(given)
   if prompts_file:
-    with open(prompts_file, "rb") as f:
+    with storage.path(prompts_file).open("rb") as f:
       for lineno, raw in enumerate(f, start=1):
         try:
           line = raw.decode("utf-8").rstrip("\r\n")

@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import re
 
 import jax
@@ -45,8 +44,9 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 from safetensors import safe_open
-from safetensors.numpy import save_file
+from safetensors.numpy import save as save_safetensors
 
+from stabledrl_jax import storage
 from stabledrl_jax.models import huggingface
 from stabledrl_jax.models.config import ModelConfig
 from stabledrl_jax.models.transformer import Linear
@@ -390,11 +390,11 @@ def from_config(c) -> LoraConfig | None:
   ours = LoraConfig(cl.rank, float(cl.alpha), float(cl.dropout), targets=targets) if cl.rank else None
   if not init:
     return ours
-  if not os.path.isdir(init):
+  if not storage.path(init).is_dir():
     raise _bad("lora_init", init, "no such directory (expected a PEFT adapter: "
                f"{CONFIG_FILE}, {WEIGHTS_FILE})")
-  if not os.path.exists(os.path.join(init, WEIGHTS_FILE)):
-    raise _bad("lora_init", init, f"missing {os.path.join(init, WEIGHTS_FILE)}")
+  if not (storage.path(init) / WEIGHTS_FILE).exists():
+    raise _bad("lora_init", init, f"missing {storage.path(init) / WEIGHTS_FILE}")
   try:
     theirs = config_from_peft(read_peft_config(init))
   except (AdapterError, OSError, ValueError, KeyError, TypeError) as e:
@@ -442,12 +442,11 @@ def config_from_peft(peft: dict) -> LoraConfig:
                     targets=targets if isinstance(targets, str) else tuple(targets))
 
 
-def read_peft_config(adapter_dir: str) -> dict:
-  path = os.path.join(adapter_dir, CONFIG_FILE)
-  if not os.path.exists(path):
+def read_peft_config(adapter_dir: str | storage.Path) -> dict:
+  path = storage.path(adapter_dir) / CONFIG_FILE
+  if not path.exists():
     raise FileNotFoundError(f"missing {path}")
-  with open(path) as f:
-    return json.load(f)
+  return json.loads(path.read_text())
 
 
 def peft_names(module: str) -> tuple[str, str]:
@@ -483,7 +482,7 @@ def peft_tensors(model, dtype: str = "float32") -> dict[str, np.ndarray]:
   return out
 
 
-def export_peft(model, out_dir: str, *, base_model_name_or_path: str | None = None,
+def export_peft(model, out_dir: str | storage.Path, *, base_model_name_or_path: str | None = None,
                 dtype: str = "float32") -> None:
   """Write the adapters alone as a PEFT directory (adapter_config.json,
   adapter_model.safetensors) that `peft.PeftModel.from_pretrained(official_model, out_dir)`
@@ -491,10 +490,11 @@ def export_peft(model, out_dir: str, *, base_model_name_or_path: str | None = No
   tensors = peft_tensors(model, dtype)  # every process, before process 0 writes
   if jax.process_index() != 0:
     return
-  os.makedirs(out_dir, exist_ok=True)
-  save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"})
-  with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
-    json.dump(peft_config(config_of(model), base_model_name_or_path), f, indent=2)
+  out_dir = storage.path(out_dir)
+  storage.makedirs(out_dir)
+  (out_dir / WEIGHTS_FILE).write_bytes(save_safetensors(tensors, metadata={"format": "pt"}))
+  (out_dir / CONFIG_FILE).write_text(
+      json.dumps(peft_config(config_of(model), base_model_name_or_path), indent=2))
 
 
 def _assign(variable, host: np.ndarray, want: tuple, name: str, transpose: bool) -> None:
@@ -548,10 +548,10 @@ def load_peft(model, adapter_dir: str) -> LoraConfig:
     raise AdapterError(f"module {extra!r}: the model's adapters differ from {adapter_dir}'s "
                        "target_modules")
   targets = _peft_targets(model, lc)
-  path = os.path.join(adapter_dir, WEIGHTS_FILE)
-  if not os.path.exists(path):
+  path = storage.path(adapter_dir) / WEIGHTS_FILE
+  if not path.exists():
     raise FileNotFoundError(f"missing {path}")
-  with safe_open(path, framework="np") as f:
+  with storage.local_copy(path) as local, safe_open(local, framework="np") as f:
     names = list(f.keys())
     for name in names:
       if name not in targets:

@@ -2,13 +2,13 @@
 line, and a PNG of the curves at the end. Only process 0 writes.
 
 The files are written by a background thread, so encoding, appending and TensorBoard's event
-writing stay off the training loop's critical path; `flush()` waits for them.
+writing stay off the training loop's critical path; `flush()` waits for them. In a bucket
+(`storage`) the JSONL files are rewritten whole once the thread has caught up with the queue.
 """
 from __future__ import annotations
 
 import json
 import math
-import os
 import queue
 import sys
 import threading
@@ -16,6 +16,8 @@ import time
 from typing import Any, NamedTuple
 
 import jax
+
+from stabledrl_jax import storage
 
 
 class StepResult(NamedTuple):
@@ -55,30 +57,25 @@ def number(v: Any, spec: str = ".3f") -> str:
   return format(v, spec) if isinstance(v, (int, float)) and not isinstance(v, bool) else "nan"
 
 
-def read_jsonl(path: str) -> list[dict[str, Any]]:
-  if not os.path.exists(path):
+def read_jsonl(path: str | storage.Path) -> list[dict[str, Any]]:
+  path = storage.path(path)
+  if not path.exists():
     return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def sft_end(workdir: str) -> int | None:
+def sft_end(workdir: str | storage.Path) -> int | None:
   """The run's first RL step (where its SFT stage ended: `sft.steps`, or earlier with
   `sft.stop_at_accuracy`), from its metrics.jsonl; None without a record."""
-  rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  rows = read_jsonl(storage.path(workdir) / "metrics.jsonl")
   if not rows:
     return None
   return 1 + max((r["step"] for r in rows if r.get("stage") == "sft"), default=-1)
 
 
-def truncate_jsonl(path: str, last_step: int) -> None:
-  """Drop records after `last_step`: a resumed run rewrites them exactly."""
-  rows = [r for r in read_jsonl(path) if r["step"] <= last_step]
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    for r in rows:
-      f.write(json.dumps(r) + "\n")
-  os.replace(tmp, path)
+def truncated_jsonl(path: storage.Path, last_step: int) -> str:
+  """The file's records up to `last_step` (a resumed run rewrites the later ones exactly)."""
+  return "".join(json.dumps(r) + "\n" for r in read_jsonl(path) if r["step"] <= last_step)
 
 
 class MetricsWriter:
@@ -88,13 +85,14 @@ class MetricsWriter:
   full, a record JSON cannot hold) is raised by the next `write` or `flush`.
   """
 
-  def __init__(self, workdir: str, *, total_steps: int, resume_step: int | None,
+  def __init__(self, workdir: str | storage.Path, *, total_steps: int, resume_step: int | None,
                stage_ends: dict[str, int] | None = None):
     """`stage_ends`: each stage's end (the step after its last), for the console's ETA of the
     stage in progress (default: one stage of `total_steps`)."""
     self.active = jax.process_index() == 0
-    self.path = os.path.join(workdir, "metrics.jsonl")
-    self.eval_path = os.path.join(workdir, "eval.jsonl")
+    workdir = storage.path(workdir)
+    self.path = workdir / "metrics.jsonl"
+    self.eval_path = workdir / "eval.jsonl"
     self.total = total_steps
     self.stage_ends = stage_ends or {}
     self._first: tuple[str, int, float] | None = None  # (stage, step, when): the ETA's origin
@@ -103,16 +101,13 @@ class MetricsWriter:
     self._error: BaseException | None = None
     if not self.active:
       return
-    for p in (self.path, self.eval_path):
-      if resume_step is None:
-        open(p, "w").close()
-      else:
-        truncate_jsonl(p, resume_step)
+    self._files = {p: storage.Appender(p, "" if resume_step is None else truncated_jsonl(p, resume_step))
+                   for p in (self.path, self.eval_path)}
     from tensorboardX import SummaryWriter
     # TensorBoard hides the events of steps >= purge_step written before: those a resumed run
     # repeats (a fresh start: all of an earlier attempt's), as metrics.jsonl is cut. The suffix
     # keeps a restart within the same second from overwriting the file (named by the second).
-    self._tb = SummaryWriter(os.path.join(workdir, "tb"),
+    self._tb = SummaryWriter(str(workdir / "tb"),
                              purge_step=0 if resume_step is None else resume_step + 1,
                              filename_suffix=f".{time.time_ns()}")
     self._queue: queue.Queue = queue.Queue()
@@ -139,20 +134,26 @@ class MetricsWriter:
     while True:
       item = self._queue.get()
       try:
-        if item is None:
-          return
-        if self._error is None:
+        if item is not None and self._error is None:
           self._write_now(*item)
+        if item is None or self._queue.empty():  # caught up: a bucket's files are rewritten
+          self._sync()
       except Exception as e:  # surfaced by the next write() / flush()
         self._error = e
       finally:
         self._queue.task_done()
+      if item is None:
+        return
+
+  def _sync(self) -> None:
+    if self._error is None:
+      for f in self._files.values():
+        f.sync()
 
   def _write_now(self, step: int, record: dict[str, Any], eval_record: bool) -> None:
     record = {"step": step, **{k: _clean(v) for k, v in record.items()}}
     line = json.dumps(record) + "\n"
-    with open(self.eval_path if eval_record else self.path, "a") as f:
-      f.write(line)
+    self._files[self.eval_path if eval_record else self.path].append(line)
     prefix = "eval/" if eval_record else ""
     for k, v in record.items():
       if k != "step" and isinstance(v, (int, float)):
@@ -220,11 +221,12 @@ def curve_panels(rows: list[dict], evals: list[dict]) -> list[tuple[str, list]]:
   return [(title, pts) for title, pts in panels if pts]
 
 
-def plot_curves(workdir: str) -> str | None:
+def plot_curves(workdir: str | storage.Path) -> str | None:
   """WORKDIR/curves.png: `curve_panels`, the SFT stage shaded on the panels that span it (the RL
   panels keep their own steps)."""
-  rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-  evals = read_jsonl(os.path.join(workdir, "eval.jsonl"))
+  workdir = storage.path(workdir)
+  rows = read_jsonl(workdir / "metrics.jsonl")
+  evals = read_jsonl(workdir / "eval.jsonl")
   if not rows or jax.process_index() != 0:
     return None
   import matplotlib
@@ -241,7 +243,8 @@ def plot_curves(workdir: str) -> str | None:
     ax.set_title(title)
     ax.set_xlabel("step")
   fig.tight_layout()
-  path = os.path.join(workdir, "curves.png")
-  fig.savefig(path, dpi=80)
+  path = workdir / "curves.png"
+  with path.open("wb") as f:
+    fig.savefig(f, dpi=80, format="png")
   plt.close(fig)
-  return path
+  return str(path)

@@ -10,8 +10,9 @@ and are appended to WORKDIR/config_changes.jsonl.
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
+
+from stabledrl_jax import storage
 
 CONFIG_FILE = "config.json"
 CHANGES_FILE = "config_changes.jsonl"
@@ -54,12 +55,11 @@ def describe(diff: list[tuple[str, Any, Any]]) -> str:
   return ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in diff)
 
 
-def read(workdir: str) -> dict[str, Any] | None:
-  path = os.path.join(workdir, CONFIG_FILE)
-  if not os.path.exists(path):
+def read(workdir: str | storage.Path) -> dict[str, Any] | None:
+  path = storage.path(workdir) / CONFIG_FILE
+  if not path.exists():
     return None
-  with open(path) as f:
-    return json.load(f)
+  return json.loads(path.read_text())
 
 
 def upgrade(record: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
@@ -77,16 +77,14 @@ def upgrade(record: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
-def write(workdir: str, config: dict[str, Any]) -> None:
+def write(workdir: str | storage.Path, config: dict[str, Any]) -> None:
   """Atomic: a killed write leaves the previous config.json."""
-  os.makedirs(workdir, exist_ok=True)
-  path = os.path.join(workdir, CONFIG_FILE)
-  with open(path + ".tmp", "w") as f:
-    json.dump(config, f, indent=2, sort_keys=True)
-  os.replace(path + ".tmp", path)
+  workdir = storage.path(workdir)
+  storage.makedirs(workdir)
+  storage.write_atomic(workdir / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True))
 
 
-def check(config: dict[str, Any], workdir: str, *, has_checkpoint: bool,
+def check(config: dict[str, Any], workdir: str | storage.Path, *, has_checkpoint: bool,
           main_process: bool = True, defaults: dict[str, Any] | None = None) -> list[str]:
   """Compare `config` with the workdir's record and record it; returns the lines to print.
 
@@ -105,19 +103,19 @@ def check(config: dict[str, Any], workdir: str, *, has_checkpoint: bool,
                and not (d[1] is None and d[0] in added and added[d[0]] == d[2])]
     if refused:
       raise ConfigChangeError(
-          f"{os.path.join(workdir, CONFIG_FILE)}: cannot resume with changed {describe(refused)} "
+          f"{storage.path(workdir) / CONFIG_FILE}: cannot resume with changed {describe(refused)} "
           "(use a new --workdir, or undo these overrides)")
   lines = [f"config changed since the last run: {k}: {a!r} -> {b!r}" for k, a, b in diff]
   if main_process:
     if diff:
-      with open(os.path.join(workdir, CHANGES_FILE), "a") as f:
-        f.write(json.dumps({"changes": [[k, a, b] for k, a, b in diff]}) + "\n")
+      storage.append_text(storage.path(workdir) / CHANGES_FILE,
+                          json.dumps({"changes": [[k, a, b] for k, a, b in diff]}) + "\n")
     if diff or old is None:
       write(workdir, config)
   return lines
 
 
-def has_checkpoint(workdir: str) -> bool:
+def has_checkpoint(workdir: str | storage.Path) -> bool:
   """Whether the run saved a step (Orbax names each step's directory by its number)."""
-  path = os.path.join(workdir, "checkpoints")
-  return os.path.isdir(path) and any(name.isdigit() for name in os.listdir(path))
+  path = storage.path(workdir) / "checkpoints"
+  return path.is_dir() and any(p.name.isdigit() for p in path.iterdir())

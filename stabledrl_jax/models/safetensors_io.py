@@ -5,6 +5,7 @@ offsets) and the raw bytes. Reading goes through `safe_open(..., framework="np")
 file and returns bfloat16 as `ml_dtypes.bfloat16`; `get_slice` copies only the requested slice, so
 only the pages under it are read from disk. The library's writer takes every tensor of a file at
 once; ours below calls `fetch` once per tensor, so one tensor at a time sits on the host.
+In a bucket (`gs://`) the header is parsed here and each slice's rows are one ranged download.
 """
 import functools
 import json
@@ -18,6 +19,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import safe_open
 
+from stabledrl_jax import storage
+
 _DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
@@ -29,20 +32,20 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def checkpoint_files(hf_dir: str) -> list[str]:
+def checkpoint_files(hf_dir: str | storage.Path) -> list[storage.Path]:
   """Paths of `model.safetensors` or of the shards named by `model.safetensors.index.json`."""
-  index_path = os.path.join(hf_dir, INDEX_FILE)
-  single_path = os.path.join(hf_dir, SINGLE_FILE)
-  if os.path.exists(index_path):
-    with open(index_path) as f:
-      names = sorted(set(json.load(f)["weight_map"].values()))
-  elif os.path.exists(single_path):
+  hf_dir = storage.path(hf_dir)
+  index_path = hf_dir / INDEX_FILE
+  single_path = hf_dir / SINGLE_FILE
+  if index_path.exists():
+    names = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+  elif single_path.exists():
     names = [SINGLE_FILE]
   else:
     raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {hf_dir}")
-  paths = [os.path.join(hf_dir, name) for name in names]
+  paths = [hf_dir / name for name in names]
   for path in paths:
-    if not os.path.exists(path):
+    if not path.exists():
       raise FileNotFoundError(f"checkpoint shard {path} (listed in {INDEX_FILE}) is missing")
   return paths
 
@@ -58,9 +61,13 @@ class Reader:
   another process holds.
   """
 
-  def __init__(self, hf_dir: str):
+  def __init__(self, hf_dir: str | storage.Path):
     self._files, self._shapes, self._rows = {}, {}, {}  # name -> path, shape, (first byte, row bytes)
+    self._dtypes = {}  # name -> dtype, of a bucket's tensors
     for path in checkpoint_files(hf_dir):
+      if storage.is_remote(path):
+        self._add_remote(path)
+        continue
       with open(path, "rb") as f:
         (offset,) = struct.unpack("<Q", f.read(8))
       offset += 8
@@ -73,6 +80,35 @@ class Reader:
           self._rows[name] = (offset, int(np.prod(shape[1:], dtype=np.int64)) * itemsize)
           offset += int(np.prod(shape, dtype=np.int64)) * itemsize
 
+  def _add_remote(self, path: storage.Path) -> None:
+    """The tensors of a file in a bucket, from its header (two ranged downloads)."""
+    fs, key = _filesystem(path)
+    (length,) = struct.unpack("<Q", fs.cat_file(key, start=0, end=8))
+    header = json.loads(fs.cat_file(key, start=8, end=8 + length))
+    for name, entry in header.items():
+      if name == "__metadata__":
+        continue
+      shape, (begin, _) = tuple(entry["shape"]), entry["data_offsets"]
+      dtype = _DTYPES.get(entry["dtype"])
+      if dtype is None:
+        raise ValueError(f"{path}: tensor {name!r} has dtype {entry['dtype']}, which is not read")
+      self._files[name], self._shapes[name], self._dtypes[name] = path, shape, dtype
+      self._rows[name] = (8 + length + begin, int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize)
+
+  def _read_remote(self, name: str, index: tuple) -> np.ndarray:
+    """The rows under `index` in one ranged download, then the rest of `index` on the host."""
+    shape, dtype = self.shape(name), self._dtypes[name]
+    if not shape:
+      first, last, step, rest = 0, 1, 1, ()
+    else:
+      (first, last, step), rest = index[0].indices(shape[0]), index[1:]
+      last = max(last, first)
+    begin, row_bytes = self._rows[name]
+    fs, key = _filesystem(self._files[name])
+    data = fs.cat_file(key, start=begin + first * row_bytes, end=begin + last * row_bytes)
+    rows = np.frombuffer(data, dtype=dtype).reshape((last - first,) + shape[1:])
+    return rows[(slice(None, None, step),) + tuple(rest)] if shape else rows.reshape(())
+
   def __contains__(self, name: str) -> bool:
     return name in self._files
 
@@ -84,6 +120,8 @@ class Reader:
     the whole tensor by default. Only the rows under the slice are read from disk."""
     index = tuple(index) if index is not None else ()
     index += tuple(slice(None) for _ in self.shape(name)[len(index):])
+    if name in self._dtypes:
+      return self._read_remote(name, index)
     if index:
       first, last, _ = index[0].indices(self.shape(name)[0])
       begin, row_bytes = self._rows[name]
@@ -96,6 +134,12 @@ class Reader:
           os.close(fd)
     with safe_open(self._files[name], framework="np") as f:
       return f.get_slice(name)[index]
+
+
+def _filesystem(path: storage.Path):
+  """(fsspec filesystem, key) of a bucket's file: ranged reads without read-ahead."""
+  import fsspec  # pylint: disable=import-outside-toplevel
+  return fsspec.core.url_to_fs(os.fspath(path))
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,7 +171,7 @@ def read_sharded(reader: Reader, name: str, *, transpose: bool, dtype: str,
   return jax.make_array_from_callback(shape, sharding, block)
 
 
-def write_checkpoint(out_dir: str, tensors: list[tuple[str, tuple[int, ...], np.dtype]],
+def write_checkpoint(out_dir: str | storage.Path, tensors: list[tuple[str, tuple[int, ...], np.dtype]],
                      fetch: Callable[[str], np.ndarray], max_shard_bytes: int) -> list[str]:
   """Write tensors (name, shape, dtype) into one file or shards + index; `fetch(name)` is called
   once per tensor while writing, so at most one tensor is on the host at a time."""
@@ -144,20 +188,21 @@ def write_checkpoint(out_dir: str, tensors: list[tuple[str, tuple[int, ...], np.
     names = [SINGLE_FILE]
   else:
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-  os.makedirs(out_dir, exist_ok=True)
+  out_dir = storage.path(out_dir)
+  storage.makedirs(out_dir)
   weight_map, total = {}, 0
   for file_name, shard in zip(names, shards):
-    _write_file(os.path.join(out_dir, file_name), shard, fetch)
+    _write_file(out_dir / file_name, shard, fetch)
     for name, _, _, nbytes in shard:
       weight_map[name] = file_name
       total += nbytes
   if len(shards) > 1:
-    with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
-      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    (out_dir / INDEX_FILE).write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
   return names
 
 
-def _write_file(path: str, shard: Iterable, fetch: Callable[[str], np.ndarray]) -> None:
+def _write_file(path: storage.Path, shard: Iterable, fetch: Callable[[str], np.ndarray]) -> None:
   header, offset = {"__metadata__": {"format": "pt"}}, 0
   for name, shape, dtype, nbytes in shard:
     header[name] = {"dtype": _NAMES[dtype], "shape": list(shape),
@@ -165,7 +210,7 @@ def _write_file(path: str, shard: Iterable, fetch: Callable[[str], np.ndarray]) 
     offset += nbytes
   blob = json.dumps(header, separators=(",", ":")).encode()
   blob += b" " * (-len(blob) % 8)  # the format asks for 8-byte aligned data
-  with open(path, "wb") as f:
+  with path.open("wb") as f:
     f.write(struct.pack("<Q", len(blob)))
     f.write(blob)
     for name, shape, dtype, _ in shard:

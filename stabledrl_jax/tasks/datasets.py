@@ -12,14 +12,15 @@ from __future__ import annotations
 import dataclasses
 import csv
 import hashlib
+import io
 import json
 from collections.abc import Callable, Iterator
 from fractions import Fraction
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from etils import epath
+from etils.epath import Path  # local paths and buckets (gs://) alike
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core import hashing as tfds_hashing
 
@@ -46,7 +47,7 @@ def read_jsonl(path: Path, parse: Callable[[dict], dict]) -> Iterator[dict]:
 
 def read_sudoku_csv(path: Path) -> Iterator[dict]:
   """d1's `Puzzle,Solution` csv; a bad row fails naming the file and line number."""
-  with open(path, encoding="utf-8", newline="") as f:
+  with io.TextIOWrapper(epath.Path(path).open("rb"), encoding="utf-8", newline="") as f:
     reader = csv.DictReader(f)
     for row in reader:
       try:

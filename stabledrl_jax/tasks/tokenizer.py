@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 import string
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Protocol
 
 import tokenizers
+from etils.epath import Path
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<mask>", "<unk>")
@@ -131,7 +131,7 @@ def load_hf_tokenizer(directory: Path, config: Mapping) -> tokenizers.Tokenizer:
   """The checkpoint's `tokenizer.json`, else its `vocab.json` + `merges.txt` (`byte_level_bpe`,
   with `config`'s — tokenizer_config.json's — added tokens)."""
   if (directory / "tokenizer.json").is_file():
-    return tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    return tokenizers.Tokenizer.from_str((directory / "tokenizer.json").read_text(encoding="utf-8"))
   vocab_file, merges_file = directory / "vocab.json", directory / "merges.txt"
   if not (vocab_file.is_file() and merges_file.is_file()):
     raise FileNotFoundError(f"no tokenizer.json (nor vocab.json + merges.txt) in {directory}")
