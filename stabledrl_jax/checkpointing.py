@@ -20,7 +20,6 @@ from typing import Any, TypeVar
 
 import jax
 import orbax.checkpoint as ocp
-from etils import epath
 from flax import nnx
 
 from stabledrl_jax import lora, storage
@@ -93,8 +92,8 @@ class Checkpointer:
         if i == len(steps) - 1:
           raise CheckpointError(f"{failed}, and no earlier step is left") from e
         if set_aside and jax.process_index() == 0:
-          aside = epath.Path(self.directory) / f"{step}.unreadable-{int(time.time())}"
-          epath.Path(self.directory, str(step)).rename(aside)
+          aside = self.directory / f"{step}.unreadable-{int(time.time())}"
+          (self.directory / str(step)).rename(aside)
           self._manager.reload()
           failed += f"; moved to {aside}"
         log(f"{failed}; falling back to step {steps[i + 1]}")
