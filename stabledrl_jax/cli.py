@@ -112,19 +112,18 @@ def log_to(workdir: str, create: bool = False) -> None:
   traceback go to `workdir`/debug.log, not the terminal (unless --verbosity or --logtostderr);
   `create`: make `workdir` (training's), else only an existing one is used."""
   global log_dir
-  if storage.is_remote(workdir):  # a bucket has no append: a fault's traceback goes to /tmp
-    return
-  if create:
+  local = not storage.is_remote(workdir)  # a bucket's (gs://...): a local temporary file
+  if local and create:
     with contextlib.suppress(OSError):
       os.makedirs(workdir, exist_ok=True)
-  if not os.path.isdir(workdir):
+  if local and not os.path.isdir(workdir):
     return
-  log_dir = workdir
+  log_dir = workdir if local else None
   f = flags.FLAGS
   if f["verbosity"].present or f["logtostderr"].value or f["alsologtostderr"].value:
     return
   try:
-    stream = open(os.path.join(workdir, log_name()), "a")
+    stream = open(os.path.join(workdir, log_name()) if local else temporary_log(), "a")
   except OSError:
     return
   pylogging.raiseExceptions = False  # a full disk must not print logging's own tracebacks
@@ -138,6 +137,10 @@ def log_to(workdir: str, create: bool = False) -> None:
       stream.flush()
 
   sys.unraisablehook = sys.excepthook = threading.excepthook = to_log
+
+
+def temporary_log() -> str:
+  return os.path.join(tempfile.gettempdir(), f"stabledrl_jax-{os.getpid()}-{LOG_FILE}")
 
 
 def log_name() -> str:
@@ -170,11 +173,9 @@ def keep_traceback(text: str) -> str | None:
   """`text` appended to `log_dir`/debug.log, else to a temporary file; its path, or None when
   neither can be written (e.g. a full disk)."""
   stamp = f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(sys.argv)}\n"
-  for directory in (log_dir, tempfile.gettempdir()):
-    if not directory:
+  for path in (os.path.join(log_dir, log_name()) if log_dir else None, temporary_log()):
+    if not path:
       continue
-    path = os.path.join(directory, log_name() if directory == log_dir else
-                        f"stabledrl_jax-{os.getpid()}-{LOG_FILE}")
     try:
       with open(path, "a") as f:
         f.write(stamp + text)
@@ -189,7 +190,8 @@ def fault_line(e: BaseException) -> str:
   (found anywhere in the exception's chain, as Orbax and TensorStore wrap them), an interrupt;
   else the exception's type and first line."""
   if isinstance(e, KeyboardInterrupt):
-    return ("interrupted (Ctrl-C); rerun the same command to resume from the last checkpoint")
+    return ("interrupted (Ctrl-C); rerun the same command to resume (training: from its last "
+            "checkpoint)")
   chain, seen = [], e
   while seen is not None and len(chain) < 20:
     chain.append(seen)

@@ -67,8 +67,8 @@ def test_faults_are_one_line_with_the_traceback_in_the_workdir(tmp_path, monkeyp
       (orbax_like_disk_full, 1, "no space left on device writing /w/checkpoints/3/model; free "
                                 "space and rerun the same command to resume"),
       (read_only, 1, "/w/checkpoints: Read-only file system (check the workdir's permissions)"),
-      (interrupted, 130, "interrupted (Ctrl-C); rerun the same command to resume from the last "
-                         "checkpoint"),
+      (interrupted, 130, "interrupted (Ctrl-C); rerun the same command to resume (training: from "
+                         "its last checkpoint)"),
       (lambda argv: {}["k"], 1, "KeyError: k")]:
     with pytest.raises(SystemExit) as exit_:
       cli.one_line_faults(main)(["prog"])
