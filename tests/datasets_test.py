@@ -73,6 +73,9 @@ def test_malformed_lines_name_file_and_line(tmp_path, data_dir):
   csv_file.write_text("Puzzle,Solution\n3102200002100320,3142243142131324\n31,3142\n")
   with pytest.raises(ValueError, match=r"sudoku\.csv, line 3"):
     list(datasets.read_sudoku_csv(csv_file))
+  csv_file.write_bytes(b"Puzzle,Solution\n3102200002100320,3142243142131324\n\xff,3142\n")
+  with pytest.raises(ValueError, match=r"sudoku\.csv, line 3: malformed row \('utf-8'"):
+    list(datasets.read_sudoku_csv(csv_file))
 
 
 def test_one_cache_dir_serves_each_source_its_own_examples(tmp_path):

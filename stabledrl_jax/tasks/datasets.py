@@ -46,14 +46,20 @@ def read_jsonl(path: Path, parse: Callable[[dict], dict]) -> Iterator[dict]:
 
 
 def read_sudoku_csv(path: Path) -> Iterator[dict]:
-  """d1's `Puzzle,Solution` csv; a bad row fails naming the file and line number."""
-  with io.TextIOWrapper(epath.Path(path).open("rb"), encoding="utf-8", newline="") as f:
-    reader = csv.DictReader(f)
-    for row in reader:
-      try:
-        yield sudoku.from_csv_row(row)
-      except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}, line {reader.line_num}: malformed row ({e})") from None
+  """d1's `Puzzle,Solution` csv; a bad row (or bytes that are not UTF-8) fails naming the file
+  and line number."""
+  data = epath.Path(path).read_bytes()
+  try:
+    text = data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    line = data[:e.start].count(b"\n") + 1
+    raise ValueError(f"{path}, line {line}: malformed row ({e})") from None
+  reader = csv.DictReader(io.StringIO(text, newline=""))
+  for row in reader:
+    try:
+      yield sudoku.from_csv_row(row)
+    except (ValueError, KeyError, TypeError) as e:
+      raise ValueError(f"{path}, line {reader.line_num}: malformed row ({e})") from None
 
 
 def _countdown_features() -> tfds.features.FeaturesDict:
