@@ -161,9 +161,12 @@ class MetricsWriter:
 
   def stage_span(self, stage: str) -> tuple[int, int]:
     """[start, end) of `stage`'s steps: it ends at its `stage_ends` entry and starts at the end of
-    the stage before it (one stage of `total` without `stage_ends`)."""
-    end = self.stage_ends.get(stage, self.total)
-    return max((e for s, e in self.stage_ends.items() if s != stage and e <= end), default=0), end
+    the stage before it in `stage_ends`' order (one stage of `total` without `stage_ends`)."""
+    names = list(self.stage_ends)
+    if stage not in names:
+      return 0, self.total
+    i = names.index(stage)
+    return (self.stage_ends[names[i - 1]] if i else 0), self.stage_ends[stage]
 
   def progress(self, step: int, stage: str, record: dict[str, Any]) -> None:
     """The console line of `step`: `[stage] done/of the stage (step N)`, and the stage's ETA: its

@@ -127,3 +127,5 @@ def test_progress_counts_steps_per_stage_and_its_eta_leaves_out_the_first(monkey
       ("[sft] 2/3 (step 1)", "ETA sft 0m01s"),   # 1 step left at 101 - 100 s per step
       ("[rl] 1/3 (step 3)", "ETA rl after the next step"),
       ("[rl] 2/3 (step 4)", "ETA rl 0m10s")]     # 1 step left at 210 - 200 s per step
+  w.stage_ends, w._first = {"sft": 2, "rl": 2}, None  # rl.steps=0
+  assert w.stage_span("sft") == (0, 2) and w.stage_span("rl") == (2, 2)
