@@ -42,7 +42,8 @@ HBM_GIB = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5e": 16, "TPU v5": 95, "TPU v5
            "TPU v6 lite": 32, "TPU v6e": 32, "TPU7x": 192}
 GIB = 2**30
 # The model preset of each family's checkpoint config preset (`8b`, `7b`).
-CHECKPOINT_PRESETS = {"llada": "llada_8b", "sdar": "sdar_8b", "dream": "dream_7b"}
+CHECKPOINT_PRESETS = {"llada": "llada_8b", "sdar": "sdar_8b", "dream": "dream_7b",
+                      "llada2": "llada2_mini"}
 
 
 def topology_devices(name: str) -> list:

@@ -121,7 +121,7 @@ def base_model(c: ml_collections.ConfigDict, tokenizer, mesh=None) -> nnx.Module
                                       options=models.runtime_options(c.model))
     return model
   family = models.family_options(c.family)  # model_type, q/k norm, no block for full attention
-  if c.family == "sdar":
+  if c.family in models.BLOCK_DIFFUSION:
     family["block_size"] = c.sampler.block_length
   cfg = models.preset(
       c.model.preset, vocab_size=tokenizer.vocab_size,

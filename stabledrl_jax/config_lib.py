@@ -2,7 +2,8 @@
 (`base_config`), its presets (`presets`) and the checks of the keys no settings class owns
 (`validate`).
 
-`configs/llada.py`, `configs/sdar.py` and `configs/dream.py` build on `base_config(family)`. The dict is locked, so an
+`configs/llada.py`, `configs/sdar.py`, `configs/dream.py` and `configs/llada2.py` build on
+`base_config(family)`. The dict is locked, so an
 override of a key that does not exist fails in `config_flags` and names the key. Each module that
 consumes a section owns a typed, frozen settings class built from it (`from_config`) that checks
 its values with one-line errors naming the key: `rl.Settings` / `rl.Objective` (`rl`),
@@ -19,7 +20,7 @@ import os
 import ml_collections
 
 from stabledrl_jax import storage
-from stabledrl_jax.models.config import FAMILIES
+from stabledrl_jax.models.config import BLOCK_DIFFUSION, FAMILIES
 from stabledrl_jax.presets import PRESETS, apply_preset, official_gsm8k  # noqa: F401 (the configs' API)
 
 
@@ -58,12 +59,14 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   Dream (full attention, like LLaDA) takes LLaDA's defaults wherever the families differ."""
   c = ml_collections.ConfigDict()
   c.seed = 0  # draws the model's initialisation, the data order, masks and rollouts
-  # "llada" (full attention), "sdar" (block diffusion) or "dream" (full attention, shifted
-  # prediction: models.config)
+  # "llada" (full attention), "sdar" (block diffusion), "dream" (full attention, shifted
+  # prediction) or "llada2" (block diffusion, mixture of experts: models.config)
   c.family = family
+  block = family in BLOCK_DIFFUSION  # llada2 takes SDAR's defaults wherever the families differ
 
   c.model = ml_collections.ConfigDict()
-  c.model.preset = "tiny"       # models.PRESETS name; shapes below override it
+  # models.PRESETS name; shapes below override it (llada2: its experts are the preset's)
+  c.model.preset = "llada2_tiny" if family == "llada2" else "tiny"
   c.model.checkpoint = ""       # Hugging Face directory (config.json + safetensors); "" = random init
   c.model.tokenizer = "char"    # "char" (the tiny task tokenizer) or a directory with tokenizer.json
   c.model.n_layers = 4  # shapes of a model trained from scratch (a checkpoint has its own)
@@ -77,6 +80,7 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.model.remat_policy = "nothing"  # with remat: "nothing" | "dots" | "dots_no_batch" saved
   c.model.attention_impl = "dense"  # "blockwise": key tiles, no [heads, T, S] scores
   c.model.attention_tile = 512      # key positions per blockwise tile
+  c.model.train_router = False      # llada2: SFT/RL update the MoE router (frozen by default)
   # LoRA (`lora.from_config`): rank 0 = full fine-tuning; > 0 trains only adapters of this rank on
   # a frozen base (checkpoints hold the adapters alone; the export adds them alone in PEFT format).
   c.model.lora = ml_collections.ConfigDict()
@@ -119,12 +123,12 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.sft = ml_collections.ConfigDict()
   # At most; stopped at partial skill by sft.stop_at_accuracy (docs/results.md: the main
   # job); full attention learns slower.
-  c.sft.steps = 200 if family == "sdar" else 300
+  c.sft.steps = 200 if block else 300
   c.sft.batch_size = 64  # sequences per SFT step
   c.sft.lr = 1e-3  # peak learning rate (warmup, then linear decay over the stage)
-  c.sft.warmup_steps = 20 if family == "sdar" else 40  # linear warmup of the SFT learning rate
+  c.sft.warmup_steps = 20 if block else 40  # linear warmup of the SFT learning rate
   # the masked-diffusion SFT loss's mask scheme (estimators.SCHEMES)
-  c.sft.scheme = "block_t" if family == "sdar" else "random_t"
+  c.sft.scheme = "block_t" if block else "random_t"
   # > 0: stop SFT (sft.steps at most) at the first check whose greedy accuracy on the last
   # sft.validation_examples training examples (never held-out ones) reaches this, one check every
   # sft.check_every steps; 0: sft.steps steps
@@ -152,15 +156,18 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   # estimators.SCHEMES, or "trajectory": TraceRL's likelihood of the steps the sampler took
   # (estimators.trajectory_masks); it runs ceil(sampler.steps / rl.trajectory_shrink) forwards
   # (SDAR: per block, all blocks in each) and ignores num_samples, coupling, p_mask_prompt
-  c.rl.scheme = "block_t" if family == "sdar" else "block_random"
+  c.rl.scheme = "block_t" if block else "block_random"
   c.rl.trajectory_shrink = 1    # trajectory: s decoding steps merged into one forward (TraceRL's s)
   c.rl.num_samples = 2          # M Monte Carlo masks per completion
   # M copies through the model this many at a time, each pass recomputed in the backward pass
   # (0: all M at once); bounds the trajectory scheme's memory, whose M is its forwards
   c.rl.copies_per_pass = 0
+  # llada2: the new policy's forwards reuse the experts the behaviour pass chose for each token
+  # (routing replay), so the ratio measures the policy change, not a routing flip
+  c.rl.routing_replay = False
   c.rl.coupling = "coupled"     # or "independent" (the official code)
   # probability of masking each prompt token in the likelihood's masks
-  c.rl.p_mask_prompt = 0.0 if family == "sdar" else 0.15
+  c.rl.p_mask_prompt = 0.0 if block else 0.15
   c.rl.min_mask_prob = 1e-3     # ε of the masking level t ~ U[ε, 1] (complementary: U[ε, 1 - ε];
                                 # DiffuCoder's coupled-GRPO samples t in [0.2, 0.8])
   c.rl.epsilon = 5.0            # StableDRL clip: log ratio in [log(max(1-ε,0)), log(1+ε)]
@@ -195,7 +202,7 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.sampler = ml_collections.ConfigDict()
   c.sampler.gen_length = 12      # sorting: <answer>, 8 digits, </answer>, the stop token, a spare
   # LLaDA, Dream: total; SDAR: per block (1 token a step)
-  c.sampler.steps = 4 if family == "sdar" else 12
+  c.sampler.steps = 4 if block else 12
   # The family's block: LLaDA's semi-autoregressive decoding block; SDAR's diffusion block
   # (decoding, the likelihood's staircase, a new model's config); Dream's likelihood blocks
   # (rl.scheme=block_random) and its fast decoder's (its exact sampler has none).
@@ -206,6 +213,7 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   # in position order; needs steps = gen_length for LLaDA, = block_length for SDAR)
   c.sampler.order = "confidence"
   c.sampler.strategy = "low_confidence_static"  # SDAR: or low_confidence_dynamic (threshold)
+  c.sampler.minimal_topk = 1    # LLaDA2.0 (its generate): steps per block <= gen_length // this
   # Fast decoding, for rollouts (evaluation decodes exactly unless eval.fast). LLaDA, Dream
   # (Fast-dLLM's algorithm, `fast_decoding`): block-wise KV reuse none | prefix | dual;
   # threshold: commit every masked token at least this confident (0 = off; Dream: needs
@@ -269,6 +277,7 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.mesh.data = -1  # data parallel: each device holds whole parameters (unless fsdp)
   c.mesh.fsdp = 1  # fully sharded: parameters and batch split over these devices
   c.mesh.tensor = 1  # tensor parallel: heads, MLP and vocabulary split
+  c.mesh.expert = 1  # expert parallel (llada2): experts and the batch split over these devices
   # The rollouts' mesh over the same devices (e.g. tensor-parallel decoding while the update runs
   # FSDP): the weights are resharded onto it before each rollout. All 0: the training mesh.
   c.rollout_mesh = ml_collections.ConfigDict()

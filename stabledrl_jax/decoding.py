@@ -114,6 +114,21 @@ def confident_commit(confidence_BxL: Array, eligible_BxL: Array, k_B: Array,
   return commit
 
 
+def llada2_choose(logits_BxKxV: Array, u_BxKxV: Array, temperature: float, top_k: int,
+                  top_p: float) -> tuple[Array, Array]:
+  """LLaDA2.0's token choice `(x̂, its probability)`: greedy at temperature 0 without filters,
+  else a draw from softmax(logits / temperature (0: 1), top-k, then top-p keeping the token that
+  crosses p) (`rollouts.LLaDA2Sampling`)."""
+  logits = logits_BxKxV.astype(jnp.float32)
+  sample = temperature > 0 or top_k > 0 or top_p < 1
+  if sample:
+    logits = top_p_filter(top_k_filter(logits / (temperature or 1.0), top_k), top_p,
+                          inclusive=True)
+  x0_BxK = gumbel_argmax(logits, 1.0 if sample else 0.0, u_BxKxV)
+  probs = jax.nn.softmax(logits, axis=-1)
+  return x0_BxK, jnp.take_along_axis(probs, x0_BxK[..., None], axis=-1)[..., 0]
+
+
 def choose_tokens(logits_BxKxV: Array, key: Array, step, temperature: float,
                   remasking: str) -> tuple[Array, Array]:
   """LLaDA's step: `(x̂, confidence)` from the block's (mask-forbidden) logits and step's draws."""

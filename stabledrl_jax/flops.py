@@ -23,7 +23,8 @@ def forward_flops(cfg: ModelConfig, batch: int, queries: float, keys: float | No
   keys = queries if keys is None else keys
   head_queries = queries if head_queries is None else head_queries
   d, hd = cfg.d_model, cfg.head_dim
-  per_token = cfg.n_layers * (d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.mlp_dim)
+  per_token = (cfg.n_layers * d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+               + cfg.active_mlp_params)
   attention = cfg.n_layers * 2 * 2 * cfg.n_heads * hd * keys  # QKᵀ and AV, per query
   head = 2.0 * d * cfg.vocab_size * head_queries  # the embedding is a lookup
   return batch * (2.0 * queries * per_token + queries * attention + head)

@@ -40,8 +40,12 @@ def trajectory(seqs: Sequences, *, num_forwards: int, shrink: int,
 
 
 def masked_hidden(model, seqs: Sequences, noised_BxMxL: Array, *, staircase: bool,
-                  block_size: int | None = None) -> Array:
-  """Final-normed hidden states for every position of every masked copy, `[B*M, L, D]`."""
+                  block_size: int | None = None, routes=None, with_routes: bool = False):
+  """Final-normed hidden states for every position of every masked copy, `[B*M, L, D]`.
+
+  Mixture of experts: `with_routes=True` also returns the experts each token of each copy chose,
+  `[B, M, MoE layers, T, k]` (T: the forward's tokens, 2L for the staircase), and `routes` of
+  that shape replays them (routing replay)."""
   b, m, t = noised_BxMxL.shape
   cfg = model.config
   noisy = estimators.apply_masks(seqs.tokens_BxL, noised_BxMxL, cfg.mask_token_id).reshape(b * m, t)
@@ -49,12 +53,20 @@ def masked_hidden(model, seqs: Sequences, noised_BxMxL: Array, *, staircase: boo
   def tile(x_BxL):
     return jnp.repeat(x_BxL, m, axis=0)
 
+  flat = None if routes is None else routes.reshape(b * m, *routes.shape[2:])
   if staircase:
-    return model.staircase_logits(noisy, tile(seqs.tokens_BxL), block_size=block_size,
-                                  positions=tile(seqs.positions_BxL),
-                                  valid_BxN=tile(seqs.valid_BxL), head=False)
-  return model.logits(noisy, attention="full", positions=tile(seqs.positions_BxL),
-                      valid_BxL=tile(seqs.valid_BxL), head=False)
+    out = model.staircase_logits(noisy, tile(seqs.tokens_BxL), block_size=block_size,
+                                 positions=tile(seqs.positions_BxL), valid_BxN=tile(seqs.valid_BxL),
+                                 head=False, routes=flat, with_routes=True)
+  else:
+    out = model.logits(noisy, attention="full", positions=tile(seqs.positions_BxL),
+                       valid_BxL=tile(seqs.valid_BxL), head=False, routes=flat, with_routes=True)
+  h, chosen = out
+  if not with_routes:
+    return h
+  if chosen is None:
+    raise ValueError("routing replay needs a mixture-of-experts model; this one has none")
+  return h, chosen.reshape(b, m, *chosen.shape[1:])
 
 
 # Logits held at once per chunk of positions: rows x chunk x vocab float32 values (64 MiB per row).
@@ -93,7 +105,7 @@ def head_logp(model, h_NxLxD: Array, targets_NxL: Array, *, with_entropy: bool =
 
 def masked_logp(model, seqs: Sequences, noised_BxMxL: Array, *, staircase: bool,
                 block_size: int | None = None, with_entropy: bool = False,
-                copies_per_pass: int = 0):
+                copies_per_pass: int = 0, routes=None, with_routes: bool = False):
   """float32 `log p(x_i | x_t)` for every position of every masked copy, `[B, M, L]`.
 
   `with_entropy=True` returns `(logp, entropy)`, the entropy (nats) of the model's prediction at
@@ -101,9 +113,14 @@ def masked_logp(model, seqs: Sequences, noised_BxMxL: Array, *, staircase: bool,
   copies go through the model C at a time in a loop, each pass recomputed in the backward pass
   (`jax.checkpoint`), so activations are held for B*C sequences instead of B*M (the trajectory
   scheme's M is its number of forwards, up to the generation length).
+
+  `with_routes=True` returns `(out, experts)` and `routes` replays them (`masked_hidden`); not
+  with `copies_per_pass`.
   """
   b, m, t = noised_BxMxL.shape
   c = copies_per_pass
+  if 0 < c < m and (with_routes or routes is not None):
+    raise ValueError("routing replay runs every copy in one pass: set rl.copies_per_pass=0")
   if 0 < c < m:
     k = -(-m // c)  # passes; the last one padded with unmasked copies, dropped after
     noised_KxBxCxL = jnp.pad(noised_BxMxL, ((0, 0), (0, k * c - m), (0, 0))).reshape(
@@ -112,8 +129,10 @@ def masked_logp(model, seqs: Sequences, noised_BxMxL: Array, *, staircase: bool,
         model, seqs, n_BxCxL, staircase=staircase, block_size=block_size, with_entropy=with_entropy))
     out = jax.lax.map(one, noised_KxBxCxL)
     return jax.tree.map(lambda x: x.transpose(1, 0, 2, 3).reshape(b, k * c, t)[:, :m], out)
-  h = masked_hidden(model, seqs, noised_BxMxL, staircase=staircase, block_size=block_size)
+  h = masked_hidden(model, seqs, noised_BxMxL, staircase=staircase, block_size=block_size,
+                    routes=routes, with_routes=with_routes)
+  h, chosen = h if with_routes else (h, None)
   out = head_logp(model, h, jnp.repeat(seqs.tokens_BxL, m, axis=0), with_entropy=with_entropy)
-  if not with_entropy:
-    return out.reshape(b, m, t)
-  return out[0].reshape(b, m, t), out[1].reshape(b, m, t)
+  out = (out.reshape(b, m, t) if not with_entropy
+         else (out[0].reshape(b, m, t), out[1].reshape(b, m, t)))
+  return (out, chosen) if with_routes else out

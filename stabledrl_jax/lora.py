@@ -49,6 +49,7 @@ from safetensors.numpy import save as save_safetensors
 from stabledrl_jax import storage
 from stabledrl_jax.models import huggingface
 from stabledrl_jax.models.config import ModelConfig
+from stabledrl_jax.models.moe import RouterParam
 from stabledrl_jax.models.transformer import Linear
 
 ADAPTER = nnx.LoRAParam  # the adapters' parameters: nnx.Optimizer(model, tx, wrt=ADAPTER)
@@ -79,6 +80,9 @@ DEFAULT_TARGETS = {
     "llada": r"model\.transformer\.blocks\.\d+\.(q_proj|k_proj|v_proj|attn_out|ff_proj|up_proj|ff_out)",
     "sdar": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
     "dream": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    # LLaDA2.0's linear modules: attention, the dense layers' MLP and the shared experts (the
+    # routed experts are stacked kernels, not adaptable modules).
+    "llada2": ("query_key_value", "dense", "gate_proj", "up_proj", "down_proj"),
 }
 # The adapters' dropout masks in an update come from `fold_in(step key, DROPOUT_STREAM)`: a stream
 # of their own, apart from the masking draws of the same key.
@@ -246,8 +250,13 @@ def adapters(model) -> dict[str, Adapter]:
 
 def trainable(model):
   """The filter of the parameters an optimiser trains: the adapters' when there are any, else
-  every parameter (full fine-tuning)."""
-  return ADAPTER if adapters(model) else nnx.Param
+  every parameter (full fine-tuning) but a mixture of experts' router unless
+  `config.train_router` (LLaDA2.0: RL leaves the routing as pretrained)."""
+  if adapters(model):
+    return ADAPTER
+  if model.config.num_experts and not model.config.train_router:
+    return nnx.All(nnx.Param, nnx.Not(RouterParam))
+  return nnx.Param
 
 
 def with_adapters(model, adapter_state: nnx.State):

@@ -7,10 +7,15 @@ from __future__ import annotations
 
 import ml_collections
 
+from stabledrl_jax.models.config import BLOCK_DIFFUSION
 
-PRESETS = ("tiny", "smoke", "sudoku", "8b", "8b_official", "8b_ar", "8b_lora", "7b")
+
+PRESETS = ("tiny", "smoke", "sudoku", "8b", "8b_official", "8b_ar", "8b_lora", "7b", "mini",
+           "flash")
 # A pretrained checkpoint's settings.
-CHECKPOINT_PRESETS = ("8b", "8b_official", "8b_ar", "8b_lora", "7b")
+CHECKPOINT_PRESETS = ("8b", "8b_official", "8b_ar", "8b_lora", "7b", "mini", "flash")
+# The checkpoint presets of each family (the rest: LLaDA's and SDAR's 8b ones).
+FAMILY_CHECKPOINT_PRESETS = {"dream": ("7b",), "llada2": ("mini", "flash")}
 
 
 def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
@@ -21,19 +26,19 @@ def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
   (`official_gsm8k`); `8b_ar` JustGRPO's run, GRPO on left-to-right rollouts with the
   exact autoregressive likelihood (`just_grpo`, LLaDA only); `8b_lora` the `8b` run training LoRA
   adapters with d1's settings (`d1_lora`); `7b` Dream-v0-Instruct-7B with the published Dream RL
-  settings (`dream_7b`)."""
+  settings (`dream_7b`); `mini` and `flash` LLaDA2.0-mini / -flash (`llada2`)."""
   if preset not in PRESETS:
     raise ValueError(f"unknown config preset {preset!r}: expected one of {PRESETS}")
-  if (preset == "7b") != (c.family == "dream") and preset in CHECKPOINT_PRESETS:
-    want = "7b" if c.family == "dream" else "8b"
+  own = FAMILY_CHECKPOINT_PRESETS.get(c.family, ("8b", "8b_official", "8b_ar", "8b_lora"))
+  if preset in CHECKPOINT_PRESETS and preset not in own:
     raise ValueError(f"config preset {preset!r} with family={c.family!r}: the {c.family} "
-                     f"checkpoint preset is {want!r}")
+                     f"checkpoint preset is {own[0]!r}")
   if preset in ("sudoku", "smoke"):
     # The Sudoku job (docs/results.md, earlier runs): SFT imitates a demonstrator that leaves each blank empty with
     # probability task.sft_unfilled; RL on the true reward undoes it. The smoke run is a few steps
     # of it: Sudoku's partial credit gives rewards after a few SFT steps, sorting's does not.
     c.task.name, c.task.num_train, c.task.max_prompt_len = "sudoku", 2000, 24
-    c.sft.steps = 300 if c.family == "sdar" else 700  # full attention learns Sudoku more slowly
+    c.sft.steps = 300 if c.family in BLOCK_DIFFUSION else 700  # full attention learns Sudoku more slowly
     c.sft.stop_at_accuracy = 0.0
     c.rl.steps, c.rl.warmup_steps, c.eval.every = 40, 0, 10
     c.sampler.gen_length, c.sampler.steps = 20, 10
@@ -42,7 +47,7 @@ def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
     c.task.num_train, c.task.num_test = 256, 32
     c.sft.steps, c.sft.batch_size = 6, 16
     c.rl.steps, c.rl.prompts_per_step, c.rl.group_size = 6, 4, 4
-    c.sampler.steps = 2 if c.family == "sdar" else 5  # SDAR: per block; LLaDA, Dream: total
+    c.sampler.steps = 2 if c.family in BLOCK_DIFFUSION else 5  # SDAR: per block; LLaDA, Dream: total
     c.eval.num_examples, c.eval.every = 32, 4
     c.checkpoint.every = 4
   if preset in CHECKPOINT_PRESETS:
@@ -68,6 +73,8 @@ def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
     c.checkpoint.every, c.log_every = 25, 1
     if c.family == "dream":
       dream_7b(c)
+    elif c.family == "llada2":
+      llada2(c, preset)
     elif c.family == "llada":
       c.model.preset = "llada_8b"
       c.rl.accumulation = 4
@@ -85,6 +92,18 @@ def apply_preset(c: ml_collections.ConfigDict, preset: str) -> None:
     just_grpo(c)
   if preset == "8b_lora":
     d1_lora(c)
+
+
+def llada2(c: ml_collections.ConfigDict, preset: str) -> None:
+  """LLaDA2.0-mini or -flash (`models.llada2_mini` / `llada2_flash`) on GSM8K, on top of the
+  checkpoint presets' shared settings (StableDRL's GSM8K run). Rollouts decode as the released
+  `generate` defaults (modeling_llada2_moe.py): blocks of 32, 32 steps a block, every masked
+  token above 0.95 committed (at least the scheduled count); the expert router frozen
+  (model.train_router). Not checked: the memory fit (BUILD.md has no LLaDA2.0 row)."""
+  c.model.preset = "llada2_mini" if preset == "mini" else "llada2_flash"
+  c.sampler.block_length, c.sampler.steps = 32, 32
+  c.sampler.threshold = 0.95
+  c.rl.accumulation = 8
 
 
 def d1_lora(c: ml_collections.ConfigDict) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from stabledrl_jax import (diagnostics, estimators, flops, likelihood, losses, lora, metrics,
-                           optim, rollouts, samplers, sharding)
+                           models, optim, rollouts, samplers, sharding)
 from stabledrl_jax.rollouts import DreamSampling, LLaDASampling, Rollout, SDARSampling, Sequences
 from stabledrl_jax.tasks import pipeline
 
@@ -73,6 +73,7 @@ class Objective:
   trajectory_shrink: int    # trajectory: decoding steps per forward (TraceRL's s)
   copies_per_pass: int      # C: the M masked copies go through the model C at a time (0: all)
   rft_min_reward: float     # rft: the reward a rollout must reach to be trained on
+  routing_replay: bool      # mixture of experts: the new policy reuses the behaviour pass's experts
 
   def __post_init__(self):
     _check(self.name in OBJECTIVES, "objective", self.name, f"expected one of {tuple(OBJECTIVES)}")
@@ -109,6 +110,14 @@ class Objective:
            "block diffusion never noises the prompt; set 0")
     _check(0 <= self.adversarial <= 1, "adversarial", self.adversarial,
            "must lie in [0, 1] (the fraction of rollouts; docs/method.md §8 uses 0.7)")
+    if self.routing_replay:  # the replayed experts are those of the same tokens under the same masks
+      _check(self.coupling == "coupled", "coupling", self.coupling,
+             "rl.routing_replay reuses the behaviour pass's experts, which needs its masks: set coupled")
+      _check(not self.adversarial, "adversarial", self.adversarial,
+             "the adversarial mode swaps the new policy's masks; rl.routing_replay needs the "
+             "behaviour pass's (set 0)")
+      _check(self.copies_per_pass == 0, "copies_per_pass", self.copies_per_pass,
+             "rl.routing_replay runs every copy in one pass (set 0)")
 
   @property
   def spec(self) -> Spec:
@@ -130,13 +139,14 @@ class Objective:
     return cls(name=r.objective, group_size=r.group_size, scheme=r.scheme,
                num_samples=forwards if trajectory else r.num_samples,
                p_mask_prompt=0.0 if trajectory else r.p_mask_prompt,
-               min_mask_prob=r.min_mask_prob, block_size=c.sampler.block_length, staircase=c.family == "sdar",
+               min_mask_prob=r.min_mask_prob, block_size=c.sampler.block_length, staircase=c.family in models.BLOCK_DIFFUSION,
                coupling="coupled" if trajectory else r.coupling,
                epsilon=r.ppo_epsilon if ppo else r.epsilon,
                max_ratio=r.max_ratio or None, epsilon_high=r.epsilon_high or None,
                kl_coef=r.kl_coef, spg_omega=r.spg_omega, spg_beta=r.spg_beta,
                adversarial=r.adversarial, trajectory_shrink=r.trajectory_shrink,
-               copies_per_pass=r.copies_per_pass, rft_min_reward=r.rft_min_reward)
+               copies_per_pass=r.copies_per_pass, rft_min_reward=r.rft_min_reward,
+               routing_replay=r.routing_replay)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +196,8 @@ class RLBatch(NamedTuple):
   logp_old_BxMxL: Array
   logp_ref_BxMxL: Array    # frozen reference model under the same masks; zeros when kl_coef = 0
   adversarial: Adversarial | None = None
+  # rl.routing_replay: the experts the behaviour pass chose, [B, M, MoE layers, T, k]
+  routes_old: Array | None = None
 
 
 # ----------------------------------------------------------------------------- rollouts
@@ -217,12 +229,13 @@ def behaviour_logp(model, seqs: Sequences, key: Array, obj: Objective):
         num_samples=obj.num_samples, fraction=obj.adversarial)
     masks = _where_rows(rows_B, hard, masks)
     adversarial = Adversarial(rows_B, easy.noised_BxMxL, easy.weight_BxMxL)
-  lp, ent = likelihood.masked_logp(model, seqs, masks.noised_BxMxL, staircase=obj.staircase,
-                                   block_size=obj.block_size, with_entropy=True,
-                                   copies_per_pass=obj.copies_per_pass)
+  out = likelihood.masked_logp(model, seqs, masks.noised_BxMxL, staircase=obj.staircase,
+                               block_size=obj.block_size, with_entropy=True,
+                               copies_per_pass=obj.copies_per_pass, with_routes=obj.routing_replay)
+  (lp, ent), routes = out if obj.routing_replay else (out, None)
   seen = masks.weight_BxMxL != 0  # the masked counted positions (trajectory: each token once)
   entropy = jnp.sum(jnp.where(seen, ent, 0.0)) / jnp.maximum(jnp.sum(seen), 1)
-  return masks, jax.lax.stop_gradient(lp), adversarial, jax.lax.stop_gradient(entropy)
+  return masks, jax.lax.stop_gradient(lp), adversarial, jax.lax.stop_gradient(entropy), routes
 
 
 def _draw_masks(key: Array, seqs: Sequences, obj: Objective) -> estimators.MaskSample:
@@ -276,7 +289,8 @@ def policy_loss(model, batch: RLBatch, key: Array, obj: Objective,
     masks = _where_rows(adv.rows_B, estimators.MaskSample(adv.noised_BxMxL, adv.weight_BxMxL), masks)
   noised, weight = masks
   logp_new = likelihood.masked_logp(model, batch.seqs, noised, staircase=obj.staircase,
-                                    block_size=obj.block_size, copies_per_pass=obj.copies_per_pass)
+                                    block_size=obj.block_size, copies_per_pass=obj.copies_per_pass,
+                                    routes=batch.routes_old if obj.routing_replay else None)
   log_ratio, elbo_new = losses.elbo_ratio(logp_new, weight, batch.logp_old_BxMxL,
                                           batch.weight_old_BxMxL)
   lengths = jnp.sum(batch.seqs.counted_BxL, axis=-1)
@@ -362,12 +376,12 @@ def behaviour_pass(model, ref_model, seqs, advantages_B, key, obj: Objective):
   adapters alone as an `nnx.State`, put on the policy's frozen base (`lora.with_adapters`)."""
   if isinstance(ref_model, nnx.State):
     ref_model = lora.with_adapters(model, ref_model)
-  masks, logp_old, adversarial, entropy = behaviour_logp(model, seqs, key, obj)
+  masks, logp_old, adversarial, entropy, routes = behaviour_logp(model, seqs, key, obj)
   logp_ref = (likelihood.masked_logp(ref_model, seqs, masks.noised_BxMxL, staircase=obj.staircase,
                                      block_size=obj.block_size, copies_per_pass=obj.copies_per_pass)
               if ref_model is not None else jnp.zeros_like(logp_old))
   batch = RLBatch(seqs, advantages_B, masks.noised_BxMxL, masks.weight_BxMxL, logp_old,
-                  jax.lax.stop_gradient(logp_ref), adversarial)
+                  jax.lax.stop_gradient(logp_ref), adversarial, routes)
   return batch, entropy
 
 

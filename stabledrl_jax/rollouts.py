@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from stabledrl_jax import decoding
+from stabledrl_jax.models.config import BLOCK_DIFFUSION
 
 Array = jax.Array
 
@@ -108,6 +109,14 @@ class LLaDASampling:
     return f"llada cache={self.cache} threshold={self.threshold}" + order
 
 
+def _block_decoding_keys(sampler: ml_collections.ConfigDict, family: str) -> None:
+  """The LLaDA-only keys a block-diffusion sampler refuses."""
+  _check(sampler.cache == "none", "cache", sampler.cache,
+         f"{family} decodes with its own KV cache; the block-wise cache is LLaDA's (set none)")
+  _check(not sampler.cfg_scale, "cfg_scale", sampler.cfg_scale,
+         f"the {family} sampler has no classifier-free guidance (set 0)")
+
+
 @dataclasses.dataclass(frozen=True)
 class SDARSampling:
   """SDAR block decoding (docs/method.md §5). The fields are `config.sampler`'s keys and have no
@@ -152,10 +161,7 @@ class SDARSampling:
 
   @classmethod
   def from_config(cls, sampler: ml_collections.ConfigDict, temperature: float) -> SDARSampling:
-    _check(sampler.cache == "none", "cache", sampler.cache,
-           "SDAR decodes with its own KV cache; the block-wise cache is LLaDA's (set none)")
-    _check(not sampler.cfg_scale, "cfg_scale", sampler.cfg_scale,
-           "the SDAR sampler has no classifier-free guidance (set 0)")
+    _block_decoding_keys(sampler, "SDAR")
     return cls(gen_length=sampler.gen_length, block_length=sampler.block_length,
                steps=sampler.steps, strategy=sampler.strategy, threshold=sampler.threshold,
                temperature=temperature, top_k=sampler.top_k, top_p=sampler.top_p,
@@ -179,6 +185,75 @@ class SDARSampling:
     if self.fast:
       return f"sdar {self.strategy} threshold={self.threshold}"
     return f"sdar {self.strategy}" + (" left_to_right" if self.order == "left_to_right" else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class LLaDA2Sampling:
+  """LLaDA2.0's released `generate` (modeling_llada2_moe.py), batched over left-padded prompts.
+  The fields are `config.sampler`'s keys and have no defaults of their own.
+
+  Blocks of `block_length` counted from position 0; each block runs up to
+  `min(steps, gen_length // minimal_topk)` forwards, step s scheduled to commit
+  ⌊block_length / steps⌋ (+1 for the first block_length mod steps steps) of its masked slots,
+  or every masked slot whose probability exceeds `threshold` when they are more. The last
+  block's slots after `gen_length` are denoised with the rest and cut after. Tokens: greedy at
+  temperature 0 without top-k/top-p; otherwise drawn from softmax(logits / temperature, top-k,
+  then top-p keeping the token that crosses p) (temperature 0 with a filter: temperature 1, as
+  released). The mask token is not excluded. `threshold` 0 turns the threshold off (the released
+  routine's default is 0.95)."""
+  gen_length: int
+  block_length: int
+  steps: int         # denoising forwards per block, at most (before the minimal_topk cap)
+  minimal_topk: int  # steps <= gen_length // minimal_topk
+  threshold: float   # 0 = off
+  temperature: float
+  top_k: int         # 0 = all tokens
+  top_p: float       # 1 = all tokens
+  stop_ids: tuple[int, ...] = ()  # () = the model config's stop tokens
+  pad_id: int | None = None       # None = the model config's pad (else eos) token
+  use_cache: bool = True  # False recomputes the whole prefix every step (as released)
+
+  def __post_init__(self):
+    _check(self.gen_length >= 1, "gen_length", self.gen_length, "must be >= 1")
+    _check(self.block_length >= 1, "block_length", self.block_length, "must be >= 1")
+    _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
+    _check(1 <= self.minimal_topk <= self.gen_length, "minimal_topk", self.minimal_topk,
+           f"must lie in [1, gen_length={self.gen_length}] (steps <= gen_length // it)")
+    _check(0 <= self.threshold <= 1, "threshold", self.threshold, "must lie in [0, 1] (0 = off)")
+    _check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
+    _check(self.top_k >= 0, "top_k", self.top_k, "must be >= 0 (0 = all tokens)")
+    _check(0 < self.top_p <= 1, "top_p", self.top_p, "must lie in (0, 1]")
+
+  @classmethod
+  def from_config(cls, sampler: ml_collections.ConfigDict, temperature: float) -> LLaDA2Sampling:
+    _block_decoding_keys(sampler, "LLaDA2.0")
+    _check(sampler.order == "confidence", "order", sampler.order,
+           "LLaDA2.0's generate commits by confidence (set confidence)")
+    return cls(gen_length=sampler.gen_length, block_length=sampler.block_length,
+               steps=sampler.steps, minimal_topk=sampler.minimal_topk,
+               threshold=sampler.threshold, temperature=temperature, top_k=sampler.top_k,
+               top_p=sampler.top_p)
+
+  @property
+  def steps_per_block(self) -> int:
+    return min(self.steps, self.gen_length // self.minimal_topk)
+
+  @property
+  def fast(self) -> bool:
+    """Whether more than the scheduled tokens can be committed per step (threshold commits)."""
+    return self.threshold > 0
+
+  def exact(self) -> LLaDA2Sampling:
+    return dataclasses.replace(self, threshold=0.0)
+
+  @property
+  def head_slots(self) -> int:
+    """Slots a decoding forward runs the vocabulary head on (the current block)."""
+    return self.block_length
+
+  @property
+  def label(self) -> str:
+    return f"llada2 threshold={self.threshold}" if self.fast else "llada2"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,7 +344,8 @@ class DreamSampling:
     return f"{alg} block={self.block_length} cache={self.cache} threshold={self.threshold}"
 
 
-SAMPLINGS = {"llada": LLaDASampling, "sdar": SDARSampling, "dream": DreamSampling}
+SAMPLINGS = {"llada": LLaDASampling, "sdar": SDARSampling, "dream": DreamSampling,
+             "llada2": LLaDA2Sampling}
 
 
 def sampling_from_config(c: ml_collections.ConfigDict, temperature: float):
@@ -383,7 +459,7 @@ def teacher_forced(prompt_BxP: Array, prompt_valid_BxP: Array, completion_BxC: A
   """Prompts and given completions in the sampler's layout (SFT data), every completion slot
   counted (stop-token padding included, so the model learns to stop)."""
   g = completion_BxC.shape[1]
-  if family == "sdar":
+  if family in BLOCK_DIFFUSION:
     tokens, positions, valid, prompt, generated, _, _ = sdar_layout(
         prompt_BxP, prompt_valid_BxP, g, block_size, mask_id)
     start_B = jnp.argmax(generated, axis=1).astype(jnp.int32)

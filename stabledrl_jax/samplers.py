@@ -1,5 +1,5 @@
-"""Rollouts from diffusion LMs: LLaDA semi-autoregressive decoding, SDAR block decoding and
-Dream's `diffusion_generate`.
+"""Rollouts from diffusion LMs: LLaDA semi-autoregressive decoding, SDAR block decoding (and
+LLaDA2.0's `generate`, its variant) and Dream's `diffusion_generate`.
 
 All compile to one jitted program per shape: every loop is `lax` control flow over static
 shapes, so no step goes back to the host. docs/method.md §5 is the reference algorithm.
@@ -28,7 +28,8 @@ import numpy as np
 from flax import nnx
 
 from stabledrl_jax import decoding, fast_decoding, rollouts, sharding
-from stabledrl_jax.rollouts import DreamSampling, LLaDASampling, Rollout, SDARSampling
+from stabledrl_jax.rollouts import (DreamSampling, LLaDA2Sampling, LLaDASampling, Rollout,
+                                    SDARSampling)
 
 Array = jax.Array
 
@@ -59,7 +60,7 @@ def sampler_of(sampling):
     return llada_generate
   if isinstance(sampling, DreamSampling):
     return dream_generate
-  return sdar_generate
+  return sdar_generate  # SDAR's block decoding, or LLaDA2.0's variant of it
 
 
 @jax.jit
@@ -161,7 +162,7 @@ def _llada_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: LLaDASam
 
 
 def sdar_generate(model: nnx.Module, prompt_BxP: Array, prompt_valid_BxP: Array, key: Array,
-                  sampling: SDARSampling) -> Rollout:
+                  sampling: SDARSampling | LLaDA2Sampling) -> Rollout:
   """SDAR block decoding (docs/method.md §5) of left-padded prompts; returns a `Rollout`.
 
   The prompt's complete blocks are prefilled block-causally into a KV cache. Each following block
@@ -173,14 +174,21 @@ def sdar_generate(model: nnx.Module, prompt_BxP: Array, prompt_valid_BxP: Array,
   A finished block costs one more forward that writes its keys and values to the cache. A row
   stops after the block in which it produced a stop token; the loop stops when every row has.
   With `use_cache=False` each forward recomputes the whole sequence block-causally instead.
+
+  `LLaDA2Sampling` decodes as LLaDA2.0's released `generate` (its docstring): the same loop with
+  a per-step schedule of the whole block, the released token choice (mask token allowed), the
+  `minimal_topk` cap on the steps, and the last block's slots after `gen_length` denoised too.
   """
   return _sdar_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling)
 
 
 @nnx.jit(static_argnames=("sampling",))
-def _sdar_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: SDARSampling) -> Rollout:
+def _sdar_generate(model, prompt_BxP, prompt_valid_BxP, key,
+                   sampling: SDARSampling | LLaDA2Sampling) -> Rollout:
   cfg = model.config
   bs = sampling.block_length
+  released = isinstance(sampling, LLaDA2Sampling)
+  steps = sampling.steps_per_block if released else sampling.steps
   mask_id = cfg.mask_token_id
   stop_ids, pad_id = decoding.stop_and_pad_ids(cfg, sampling)
   stop_arr = jnp.asarray(stop_ids, jnp.int32)
@@ -188,6 +196,11 @@ def _sdar_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: SDARSampl
   tokens, positions, valid, prompt_mask, generated, first_block, num_blocks = rollouts.sdar_layout(
       prompt_BxP, prompt_valid_BxP, sampling.gen_length, bs, mask_id)
   t = tokens.shape[1]
+  denoised, attended = generated, valid
+  if released:  # the last block's slots after gen_length: denoised and attended, cut at the end
+    end_B = jnp.sum(prompt_valid_BxP, axis=1).astype(jnp.int32) + sampling.gen_length
+    tail = (positions >= end_B[:, None]) & (positions // bs == ((end_B - 1) // bs)[:, None])
+    denoised, attended = generated | tail, valid | tail
 
   def slice_block(x, j):
     return jax.lax.dynamic_slice_in_dim(x, j * bs, bs, axis=1)
@@ -198,40 +211,50 @@ def _sdar_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: SDARSampl
   if sampling.use_cache and first_block:  # no complete prompt block: nothing to prefill
     _, cache = model.cached_logits(tokens[:, :first_block * bs], cache,
                                    positions_BxT=positions[:, :first_block * bs], commit=True,
-                                   block_size=bs, valid_BxT=valid[:, :first_block * bs])
+                                   block_size=bs, valid_BxT=attended[:, :first_block * bs])
 
   def block_logits(x_BxL, j, cache):
     if sampling.use_cache:
       logits, _ = model.cached_logits(slice_block(x_BxL, j), cache,
                                       positions_BxT=slice_block(positions, j), commit=False,
-                                      block_size=bs, valid_BxT=slice_block(valid, j))
+                                      block_size=bs, valid_BxT=slice_block(attended, j))
       return logits
     logits = model.logits(x_BxL, attention="block_causal", block_size=bs, positions=positions,
-                          valid_BxL=valid)
+                          valid_BxL=attended)
     return slice_block(logits, j)
 
+  def choose(logits, u_choice):
+    if released:
+      return decoding.llada2_choose(logits, u_choice, sampling.temperature, sampling.top_k,
+                                    sampling.top_p)
+    logits = decoding.forbid(logits, mask_id)
+    if sampling.temperature > 0:  # sample from the tempered, filtered distribution
+      logits = decoding.filter_logits(logits / sampling.temperature, top_k=sampling.top_k,
+                                      top_p=sampling.top_p)
+    x0 = decoding.gumbel_argmax(logits, 1.0 if sampling.temperature > 0 else 0.0, u_choice)
+    probs = jax.nn.softmax(logits, axis=-1)
+    return x0, jnp.take_along_axis(probs, x0[..., None], axis=-1)[..., 0]
+
   def denoise_block(j, x_BxL, when_BxL, cache, active_B, step0):
-    blk_gen = slice_block(generated, j) & active_B[:, None]
-    schedule_BxS = decoding.commit_schedule(
-        jnp.sum(slice_block(x_BxL, j) == mask_id, -1) * active_B, sampling.steps)
+    blk_gen = slice_block(denoised, j) & active_B[:, None]
+    # LLaDA2.0 schedules the whole block; SDAR its masked slots.
+    to_commit_B = (jnp.where(active_B, bs, 0) if released
+                   else jnp.sum(slice_block(x_BxL, j) == mask_id, -1) * active_B)
+    schedule_BxS = decoding.commit_schedule(to_commit_B, steps)
 
     def cond(c):
       x, _, s, _ = c
-      return (s < sampling.steps) & jnp.any((slice_block(x, j) == mask_id) & blk_gen)
+      return (s < steps) & jnp.any((slice_block(x, j) == mask_id) & blk_gen)
 
     def body(c):
       x, when, s, n = c
       blk = slice_block(x, j)
       still_masked = (blk == mask_id) & blk_gen
-      logits = decoding.forbid(block_logits(x, j, cache), mask_id)
-      if sampling.temperature > 0:  # sample from the tempered, filtered distribution
-        logits = decoding.filter_logits(logits / sampling.temperature, top_k=sampling.top_k,
-                                        top_p=sampling.top_p)
+      logits = block_logits(x, j, cache)
       u_choice, _ = decoding.uniforms(key, step0 + n, logits.shape)
-      x0 = decoding.gumbel_argmax(logits, 1.0 if sampling.temperature > 0 else 0.0, u_choice)
-      probs = jax.nn.softmax(logits, axis=-1)
-      conf = jnp.take_along_axis(probs, x0[..., None], axis=-1)[..., 0]
-      commit = decoding.confident_commit(decoding.order_scores(conf, sampling.order), still_masked,
+      x0, conf = choose(logits, u_choice)
+      order = "confidence" if released else sampling.order
+      commit = decoding.confident_commit(decoding.order_scores(conf, order), still_masked,
                                          schedule_BxS[:, s], sampling.threshold, strict=True)
       blk = jnp.where(commit, x0, blk)
       when_blk = jnp.where(commit, step0 + n, slice_block(when, j))
@@ -247,7 +270,7 @@ def _sdar_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: SDARSampl
     x, when, used = denoise_block(j, x, when, cache, active_B, step0)
     if sampling.use_cache:
       _, cache = model.cached_logits(slice_block(x, j), cache, positions_BxT=slice_block(positions, j),
-                                     commit=True, block_size=bs, valid_BxT=slice_block(valid, j))
+                                     commit=True, block_size=bs, valid_BxT=slice_block(attended, j))
     blk = slice_block(x, j)
     stopped = jnp.any(jnp.isin(blk, stop_arr) & slice_block(generated, j), axis=-1)
     return x, when, j + 1, cache, active_B & ~stopped, step0 + used

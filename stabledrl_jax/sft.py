@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from stabledrl_jax import (estimators, flops, likelihood, losses, lora, metrics, optim, rollouts,
-                           sharding)
+from stabledrl_jax import (estimators, flops, likelihood, losses, lora, metrics, models, optim,
+                           rollouts, sharding)
 from stabledrl_jax.rollouts import Sequences
 
 Array = jax.Array
@@ -41,7 +41,7 @@ class Settings:
 
   @property
   def staircase(self) -> bool:
-    return self.family == "sdar"
+    return self.family in models.BLOCK_DIFFUSION
 
   @classmethod
   def from_config(cls, c) -> Settings:

@@ -1,10 +1,12 @@
-"""Device meshes and shardings: the named axes `data`, `fsdp`, `tensor`, and the logical-axis rules
-that place parameters and batches on them.
+"""Device meshes and shardings: the named axes `data`, `fsdp`, `tensor`, `expert`, and the
+logical-axis rules that place parameters and batches on them.
 
 A mesh comes from a `{axis: size}` dict (`-1` = the devices left over). Parameters are sharded by
-their logical axes (`models.weight_specs`: `embed` → `fsdp`, `heads`/`mlp`/`vocab` → `tensor`); a
-dimension a mesh axis does not divide stays replicated. Batches are split along their leading axis
-over `data` × `fsdp`. Under `jax.jit` the compiler propagates these shardings through the step.
+their logical axes (`models.weight_specs`: `embed` → `fsdp`, `heads`/`mlp`/`vocab` → `tensor`,
+`expert` → `expert`: a mixture of experts' stacked expert kernels); a dimension a mesh axis does
+not divide stays replicated. Batches are split along their leading axis over `data` × `fsdp` ×
+`expert` (expert parallelism: the tokens and the experts are both split over `expert`, and the
+compiler moves each token's rows to its experts' devices and back). Under `jax.jit` the compiler propagates these shardings through the step.
 
 With several processes (hosts), each holds only its devices' rows of a batch: `process_rows` says
 which, `shard_batch` assembles the processes' rows into one global array, and `to_host` gathers a
@@ -24,8 +26,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from stabledrl_jax import lora, models
 
-AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+AXES = ("data", "fsdp", "tensor", "expert")
+BATCH_AXES = ("data", "fsdp", "expert")
 
 
 def mesh_shape(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
@@ -52,7 +54,8 @@ def mesh_shape(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
 
 
 def make_mesh(sizes: Mapping[str, int], devices=None) -> Mesh:
-  """A mesh over `devices` (default: all) with axes `data, fsdp, tensor` of the given sizes."""
+  """A mesh over `devices` (default: all) with axes `data, fsdp, tensor, expert` of the given
+  sizes (an axis not given: 1)."""
   devices = jax.devices() if devices is None else list(devices)
   shape = mesh_shape(sizes, len(devices))
   # Auto axes: the compiler propagates shardings (the samplers' cache updates need it).
@@ -100,14 +103,15 @@ def create_model(cfg: models.ModelConfig, seed: int, mesh: Mesh,
 
 
 def batch_sharding(mesh: Mesh, ndim: int, batch: int | None = None) -> NamedSharding:
-  """Leading axis over `data` × `fsdp` (replicated when `batch` does not divide), rest replicated."""
+  """Leading axis over `data` × `fsdp` × `expert` (replicated when `batch` does not divide), rest
+  replicated."""
   ways = math.prod(mesh.shape[a] for a in BATCH_AXES if a in mesh.shape)
   lead = BATCH_AXES if batch is None or batch % ways == 0 else None
   return NamedSharding(mesh, PartitionSpec(lead, *([None] * (ndim - 1))))
 
 
 def constrain_batch(tree, mesh):
-  """Inside `jit`: every array of `tree` with its leading axis split over `data` x `fsdp` (where
+  """Inside `jit`: every array of `tree` with its leading axis split over the batch axes (where
   that divides; the rest replicated), as a sharding constraint. `mesh` may be abstract
   (`jax.typeof(x).sharding.mesh`); without batch axes the tree is returned as it is.
 

@@ -24,7 +24,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from stabledrl_jax import (build, checkpointing, cli, config_lib, controls, detectors,
-                           distributed, evaluate, export, flops, lora, metrics, optim, rl,
+                           distributed, evaluate, export, flops, lora, metrics, models, optim, rl,
                            run_record, sft, storage)
 
 
@@ -121,7 +121,7 @@ def setup(c: ml_collections.ConfigDict, workdir: str) -> Run:
   for warning in controls.config_warnings(
       lr=c.rl.lr, group_size=c.rl.group_size, epsilon=c.rl.epsilon,
       max_ratio=c.rl.max_ratio or None, block_length=c.sampler.block_length,
-      block_diffusion=c.family == "sdar") if c.model.checkpoint else ():
+      block_diffusion=c.family in models.BLOCK_DIFFUSION) if c.model.checkpoint else ():
     distributed.log(f"warning: {warning}")
   return Run(c, s, workdir, data, model, rollout_mesh, detectors.StabilityMonitor(s.monitor),
              controls.StepControls(s.controls, total=c.rl.steps, epsilon=s.rl.objective.epsilon),

@@ -29,8 +29,8 @@ def test_memory_reflects_parameter_sharding():
   fsdp.rollout_mesh.data, fsdp.rollout_mesh.fsdp, fsdp.rollout_mesh.tensor = 1, 1, -1
   sharded = aot.check(fsdp, devices, hbm_gib=1.0)  # FSDP update, tensor-parallel sampler
   assert sharded["rl_step"]["arguments"] < replicated["rl_step"]["arguments"] - 4 * n
-  assert sharded["rollout_mesh"] == {"data": 1, "fsdp": 1, "tensor": 8}
-  assert "(sampler: {'data': 1, 'fsdp': 1, 'tensor': 8})" in aot.report(sharded)
+  assert sharded["rollout_mesh"] == {"data": 1, "fsdp": 1, "tensor": 8, "expert": 1}
+  assert "(sampler: {'data': 1, 'fsdp': 1, 'tensor': 8, 'expert': 1})" in aot.report(sharded)
   assert replicated["fits"] and replicated["sampler"]["total"] > 0
   assert "| rl_step |" in aot.report(replicated)
   tiny_hbm = aot.check(_smoke(), devices, hbm_gib=1e-4)

@@ -59,8 +59,20 @@ def test_the_family_is_checked_and_named():
   config_lib.validate(c)
   c.family = "qwen"
   with pytest.raises(ValueError,
-                     match=r"^config\.family='qwen': expected one of llada, sdar, dream$"):
+                     match=r"^config\.family='qwen': expected one of llada, sdar, dream, llada2$"):
     config_lib.validate(c)
+
+
+def test_llada2_takes_the_block_diffusion_defaults():
+  """Wherever LLaDA's and SDAR's defaults differ, LLaDA2.0 (block diffusion) takes SDAR's; its
+  model preset is its own."""
+  llada, sdar, llada2 = (config_lib.base_config(f) for f in ("llada", "sdar", "llada2"))
+  differ = [key for key in _flat(llada2.to_dict())
+            if key not in ("family", "model.preset") and llada[key] != sdar[key]]
+  assert "rl.scheme" in differ
+  for key in differ:
+    assert llada2[key] == sdar[key], key
+  assert llada2.model.preset == "llada2_tiny"
 
 
 def test_dream_takes_the_full_attention_defaults():

@@ -213,7 +213,7 @@ def test_hf_export_is_the_released_format_and_round_trips(tmp_path):
   assert hf["model_type"] == "llada2_moe"
   assert hf["auto_map"]["AutoModelForCausalLM"] == "modeling_llada2_moe.LLaDA2MoeModelLM"
   for key, want in (("num_experts", 8), ("num_experts_per_tok", 2), ("n_group", 4),
-                    ("topk_group", 2), ("moe_intermediate_size", 32), ("num_shared_experts", 1),
+                    ("topk_group", 2), ("moe_intermediate_size", 64), ("num_shared_experts", 1),
                     ("first_k_dense_replace", 1), ("routed_scaling_factor", 2.5),
                     ("partial_rotary_factor", 0.5), ("head_dim", 16), ("use_qk_norm", True),
                     ("use_bias", False), ("use_qkv_bias", False), ("score_function", "sigmoid")):
@@ -251,3 +251,64 @@ def test_unsupported_released_options_are_refused_naming_the_key(key, value):
   hf[key] = value
   with pytest.raises(ValueError, match=f"{key}={value!r}"):
     hf_lib.config_from_hf(hf)
+
+
+def test_expert_parallel_logits_and_gradients_match_one_device():
+  """Experts split over the `expert` mesh axis (2 of 8 per device) and the tokens over it and
+  `data`: the same loss and gradients as on one device."""
+  from stabledrl_jax import sharding
+  cfg = models.llada2_tiny()
+  model = _randomise(models.create(cfg, seed=7))
+  ids = np.random.default_rng(2).integers(0, cfg.vocab_size, (8, 8))
+
+  @nnx.jit
+  def loss_and_grads(m, ids):
+    return nnx.value_and_grad(lambda m: jnp.mean(
+        jax.nn.log_softmax(m.logits(ids, attention="block_causal"))[..., 3]))(m)
+
+  want_loss, want_grads = loss_and_grads(model, jnp.asarray(ids))
+  want_grads = nnx.to_pure_dict(want_grads)
+  mesh = sharding.make_mesh({"data": 2, "expert": 4})
+  sharding.shard_model(model, mesh)
+  kernel = model.blocks[1].moe.gate_kernel[...]
+  assert kernel.sharding.spec[0] == "expert", kernel.sharding
+  got_loss, got_grads = loss_and_grads(model, sharding.shard_batch(ids, mesh))
+  np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4,
+                                                       atol=1e-6),
+               nnx.to_pure_dict(got_grads), want_grads)
+
+
+def test_routing_replay_reproduces_the_behaviour_forward():
+  """The expert bias moves only the choice. A model whose bias sends every token elsewhere
+  computes other logits; replaying the first model's experts in it gives the first model's
+  logits exactly (the weights are the unbiased scores, the same in both)."""
+  cfg = models.llada2_tiny()
+  model = _randomise(models.create(cfg, seed=2))
+  ids = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 8)))
+  run = nnx.jit(lambda m, ids, routes: m.staircase_logits(ids, ids, routes=routes,
+                                                         with_routes=True))
+  want, routes = run(model, ids, None)
+  assert routes.shape == (2, 1, 16, cfg.num_experts_per_tok)
+  same, _ = run(model, ids, routes)
+  np.testing.assert_array_equal(np.asarray(same), np.asarray(want))
+  moe_layer = model.blocks[1].moe
+  moe_layer.expert_bias.set_value(jnp.asarray([0, 0, 0, 0, 0, 0, 5.0, 5.0]))  # always 6 and 7
+  moved, moved_routes = run(model, ids, None)
+  assert set(np.unique(np.asarray(moved_routes))) == {6, 7}
+  assert np.abs(np.asarray(moved) - np.asarray(want)).max() > 1e-3
+  replayed, replayed_routes = run(model, ids, routes)
+  np.testing.assert_array_equal(np.asarray(replayed_routes), np.asarray(routes))
+  np.testing.assert_allclose(np.asarray(replayed), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name, total, active", [("llada2_mini", 16e9, 1.4e9),
+                                                 ("llada2_flash", 100e9, 6.1e9)])
+def test_released_sizes_match_the_published_parameter_counts(name, total, active):
+  """inclusionAI's model cards: mini 16B (1.4B active), flash 100B (6.1B active); active counts
+  the embedding and the head."""
+  cfg = models.preset(name)
+  attention = cfg.n_layers * cfg.d_model * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+  active_params = attention + cfg.active_mlp_params + 2 * cfg.vocab_size * cfg.d_model
+  assert abs(cfg.num_params / total - 1) < 0.04
+  assert abs(active_params / active - 1) < 0.04

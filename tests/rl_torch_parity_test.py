@@ -3,7 +3,8 @@ ratio -> weights -> loss -> gradient -> clipped AdamW step.
 
 The torch side is written from the definitions, in float64: its own forward of the same
 architecture (full attention for LLaDA; Dream's full attention with q/k/v biases and its
-logits shifted one slot right; the dual-stream staircase for SDAR, its attention rule written out), its own ELBO, clip, self-normalisation, EUBO, GRPO clip and AdamW. It is handed
+logits shifted one slot right; the dual-stream staircase for SDAR, its attention rule written out;
+LLaDA2.0's fused q/k/v, partial rotary and mixture of experts on the same staircase), its own ELBO, clip, self-normalisation, EUBO, GRPO clip and AdamW. It is handed
 only what the project drew: the rollout tokens, the masks and, where they cannot be read off a
 mask (`block_t` and `random_t` draw a hidden rate per sample), the estimator weights.
 """
@@ -36,6 +37,8 @@ def _model(family, seed):
                       norm_eps=1e-5)
   elif family == "dream":
     cfg = models.tiny(**models.family_options("dream"), n_kv_heads=2)
+  elif family == "llada2":
+    cfg = models.llada2_tiny(moe_intermediate_size=16)
   else:
     cfg = models.tiny()
   return models.create(cfg, seed=seed)
@@ -76,9 +79,20 @@ def _named(m):
   for i, blk in enumerate(m.blocks):
     a = blk.attn
     out.update({f"{i}.attn_norm": blk.attn_norm.scale, f"{i}.mlp_norm": blk.mlp_norm.scale,
-                f"{i}.q": a.q_proj.kernel, f"{i}.k": a.k_proj.kernel, f"{i}.v": a.v_proj.kernel,
-                f"{i}.o": a.o_proj.kernel, f"{i}.gate": blk.gate_proj.kernel,
-                f"{i}.up": blk.up_proj.kernel, f"{i}.down": blk.down_proj.kernel})
+                f"{i}.o": a.o_proj.kernel})
+    if hasattr(a, "qkv_proj"):  # LLaDA2.0
+      out[f"{i}.qkv"] = a.qkv_proj.kernel
+    else:
+      out.update({f"{i}.q": a.q_proj.kernel, f"{i}.k": a.k_proj.kernel, f"{i}.v": a.v_proj.kernel})
+    if hasattr(blk, "moe"):
+      e, sh = blk.moe, blk.moe.shared_experts
+      out.update({f"{i}.router": e.router, f"{i}.expert_bias": e.expert_bias,
+                  f"{i}.experts_gate": e.gate_kernel, f"{i}.experts_up": e.up_kernel,
+                  f"{i}.experts_down": e.down_kernel, f"{i}.shared_gate": sh.gate_proj.kernel,
+                  f"{i}.shared_up": sh.up_proj.kernel, f"{i}.shared_down": sh.down_proj.kernel})
+    else:
+      out.update({f"{i}.gate": blk.gate_proj.kernel, f"{i}.up": blk.up_proj.kernel,
+                  f"{i}.down": blk.down_proj.kernel})
     if a.q_norm is not None:
       out.update({f"{i}.q_norm": a.q_norm.scale, f"{i}.k_norm": a.k_norm.scale})
     if a.q_proj.bias is not None:  # Dream
@@ -129,21 +143,47 @@ def _t_logits(w, cfg, ids_NxL, positions_NxL, allowed_NxQxK):
   def norm(x, scale):
     return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + cfg.norm_eps) * scale
 
-  h = cfg.head_dim
-  inv = 1.0 / cfg.rope_theta ** (torch.arange(0, h, 2, dtype=torch.float64) / h)
+  h, r = cfg.head_dim, cfg.rotary_dim  # RoPE on the first r dims of each head
+  inv = 1.0 / cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float64) / r)
   ang = positions_NxL.double()[..., None] * inv
   cos, sin = torch.cat([ang.cos()] * 2, -1)[:, :, None], torch.cat([ang.sin()] * 2, -1)[:, :, None]
 
   def rope(x):
-    return x * cos + torch.cat([-x[..., h // 2:], x[..., :h // 2]], -1) * sin
+    x_rot = x[..., :r]
+    rotated = x_rot * cos + torch.cat([-x_rot[..., r // 2:], x_rot[..., :r // 2]], -1) * sin
+    return torch.cat([rotated, x[..., r:]], -1)
+
+  def swiglu(y, gate, up, down):
+    return (torch.nn.functional.silu(y @ gate) * (y @ up)) @ down
+
+  def moe(y, i):  # LLaDA2.0's router: sigmoid, expert bias and groups choose, unbiased weights
+    scores = torch.sigmoid(y @ w[f"{i}.router"])
+    choice = (scores + w[f"{i}.expert_bias"]).detach()
+    e, g = choice.shape[-1], cfg.n_group
+    group = choice.view(n, t, g, e // g).topk(2, -1).values.sum(-1)
+    kept = torch.zeros_like(group).scatter(-1, group.topk(cfg.topk_group, -1).indices, 1.0)
+    allowed = kept.repeat_interleave(e // g, -1).bool()
+    idx = choice.masked_fill(~allowed, float("-inf")).topk(cfg.num_experts_per_tok, -1).indices
+    wk = scores.gather(-1, idx)
+    wk = wk / (wk.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
+    weight = torch.zeros_like(scores).scatter(-1, idx, wk)  # [n, t, experts]
+    hidden = (torch.nn.functional.silu(torch.einsum("ntd,edf->ntef", y, w[f"{i}.experts_gate"]))
+              * torch.einsum("ntd,edf->ntef", y, w[f"{i}.experts_up"]))
+    per_expert = torch.einsum("ntef,efd->nted", hidden, w[f"{i}.experts_down"])  # every expert
+    return (torch.einsum("nte,nted->ntd", weight, per_expert)
+            + swiglu(y, w[f"{i}.shared_gate"], w[f"{i}.shared_up"], w[f"{i}.shared_down"]))
 
   n, t = ids_NxL.shape
   x = w["embed"][ids_NxL]
   for i in range(cfg.n_layers):
     y = norm(x, w[f"{i}.attn_norm"])
-    q, k, v = (y @ w[f"{i}.{p}"] + w.get(f"{i}.{p}_bias", 0.0) for p in "qkv")
-    q = q.view(n, t, cfg.n_heads, h)
-    k, v = k.view(n, t, cfg.n_kv_heads, h), v.view(n, t, cfg.n_kv_heads, h)
+    if f"{i}.qkv" in w:  # fused: [q heads | k heads | v heads]
+      q, k, v = (y @ w[f"{i}.qkv"]).view(n, t, -1, h).split(
+          [cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads], 2)
+    else:
+      q, k, v = (y @ w[f"{i}.{p}"] + w.get(f"{i}.{p}_bias", 0.0) for p in "qkv")
+    q = q.reshape(n, t, cfg.n_heads, h)
+    k, v = k.reshape(n, t, cfg.n_kv_heads, h), v.reshape(n, t, cfg.n_kv_heads, h)
     if cfg.qk_norm:
       q, k = norm(q, w[f"{i}.q_norm"]), norm(k, w[f"{i}.k_norm"])
     q, k = rope(q), rope(k)
@@ -154,7 +194,8 @@ def _t_logits(w, cfg, ids_NxL, positions_NxL, allowed_NxQxK):
     o = torch.einsum("nhqk,nkhd->nqhd", torch.softmax(s, -1), v).reshape(n, t, -1)
     x = x + o @ w[f"{i}.o"]
     y = norm(x, w[f"{i}.mlp_norm"])
-    x = x + (torch.nn.functional.silu(y @ w[f"{i}.gate"]) * (y @ w[f"{i}.up"])) @ w[f"{i}.down"]
+    x = x + (moe(y, i) if f"{i}.router" in w
+             else swiglu(y, w[f"{i}.gate"], w[f"{i}.up"], w[f"{i}.down"]))
   return norm(x, w["final_norm"]) @ w["head"]
 
 
@@ -243,6 +284,9 @@ def _check_step(start, t_loss, project_step):
   clip = 0.5 * np.sqrt(sum(np.sum(g**2) for g in want.values()))
   got, got_params = project_step(clip)
   for k in want:
+    if not np.any(want[k]):  # the expert bias: it only moves the (discrete) choice
+      np.testing.assert_array_equal(got[k], 0, err_msg=k)
+      continue
     err = np.linalg.norm(got[k] - want[k]) / np.linalg.norm(want[k])
     assert err <= 1e-4, (k, err)
   want_params = _torch_adamw(start, got, clip)
@@ -253,11 +297,12 @@ def _check_step(start, t_loss, project_step):
 # ----------------------------------------------------------------------------- the tests
 
 
-@pytest.mark.parametrize("family", ["llada", "sdar", "dream"])
+@pytest.mark.parametrize("family", ["llada", "sdar", "dream", "llada2"])
 def test_one_rl_update_matches_torch_autograd(family):
   model, seqs = _model(family, seed=0), _seqs(seed=1)
   old = _old_model(model, seed=2)
   cfg = model.config
+  block = family in models.BLOCK_DIFFUSION
   start = _named(model)
   w_old = {k: _t(v) for k, v in _named(old).items()}
   rewards = np.random.default_rng(3).integers(0, 2, size=B).astype(np.float64)
@@ -265,8 +310,8 @@ def test_one_rl_update_matches_torch_autograd(family):
   adv = losses.group_advantages(jnp.asarray(rewards, jnp.float32), group_size=G)
   base = dataclasses.replace(  # the default config's objective, then this test's shapes
       rl.Objective.from_config(config_lib.base_config("sdar")), group_size=G,
-      scheme="block_t" if family == "sdar" else "block_random", num_samples=2,
-      p_mask_prompt=0.0 if family == "sdar" else 0.5, block_size=BS, staircase=family == "sdar")
+      scheme="block_t" if block else "block_random", num_samples=2,
+      p_mask_prompt=0.0 if block else 0.5, block_size=BS, staircase=block)
   objectives = {
       "stabledrl": dataclasses.replace(base, name="stabledrl", epsilon=0.02),
       "stabledrl_spg": dataclasses.replace(base, name="stabledrl_spg", coupling="independent",
@@ -275,7 +320,7 @@ def test_one_rl_update_matches_torch_autograd(family):
   }
   for seed, (name, obj) in enumerate(objectives.items()):
     k_old, k_new = jax.random.split(jax.random.key(10 + seed))
-    masks, logp_old, _, _ = _behaviour(old, seqs, k_old, obj)
+    masks, logp_old, _, _, _ = _behaviour(old, seqs, k_old, obj)
     batch = rl.RLBatch(seqs, adv, masks.noised_BxMxL, masks.weight_BxMxL, logp_old,
                        jnp.zeros_like(logp_old))
     new = _draw(k_new, seqs, obj) if obj.coupling == "independent" else masks
@@ -378,7 +423,7 @@ def test_one_stabledrl_update_with_complementary_or_trajectory_masks_matches_tor
       trajectory_shrink=shrink, p_mask_prompt=0.0, block_size=BS, staircase=family == "sdar",
       epsilon=0.1 if scheme == "trajectory" else 0.02)  # a sum over the tokens, not a mean
   key = jax.random.key(11)
-  masks, logp_old, _, _ = _behaviour(old, seqs, key, obj)
+  masks, logp_old, _, _, _ = _behaviour(old, seqs, key, obj)
   if scheme == "trajectory":
     noised, weights = _t_trajectory(commit, np.asarray(seqs.counted_BxL), family, forwards, shrink)
   else:  # a pair: the second copy masks exactly the completion slots the first left visible

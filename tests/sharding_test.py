@@ -13,8 +13,9 @@ from stabledrl_jax import build, config_lib, models, rl, rollouts, samplers, sha
 
 
 def test_mesh_shape_resolves_minus_one_and_names_bad_axes():
-  assert sharding.mesh_shape({"data": -1, "tensor": 2}, 8) == {"data": 4, "fsdp": 1, "tensor": 2}
-  assert sharding.mesh_shape({"fsdp": 8}, 8) == {"data": 1, "fsdp": 8, "tensor": 1}
+  assert sharding.mesh_shape({"data": -1, "tensor": 2}, 8) == {"data": 4, "fsdp": 1, "tensor": 2,
+                                                               "expert": 1}
+  assert sharding.mesh_shape({"fsdp": 8}, 8) == {"data": 1, "fsdp": 8, "tensor": 1, "expert": 1}
   for sizes, named in (({"data": -1, "fsdp": -1}, "all -1"), ({"data": 3}, "3 devices"),
                        ({"data": -1, "tensor": 3}, "mesh.data=-1"), ({"pipeline": 2}, "pipeline"),
                        ({"tensor": 0}, "mesh.tensor=0")):
@@ -41,7 +42,7 @@ def test_batches_go_to_the_data_and_fsdp_devices_and_back():
   assert sharding.process_rows(mesh, 16) == (0, 16) and sharding.process_rows(None, 5) == (0, 5)
   x = np.arange(16 * 3).reshape(16, 3)
   g = sharding.shard_batch(x, mesh)
-  assert g.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"), None)
+  assert g.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp", "expert"), None)
   assert sorted(s.index[0].start for s in g.addressable_shards) == [0, 0, 4, 4, 8, 8, 12, 12]
   np.testing.assert_array_equal(sharding.to_host(g), x)
   odd = sharding.shard_batch(x[:6], mesh)  # 6 rows do not split 4 ways: replicated
@@ -70,7 +71,7 @@ def test_rollouts_on_another_mesh_decode_the_same_and_come_back_on_the_training_
   c.rollout_mesh.data, c.rollout_mesh.fsdp, c.rollout_mesh.tensor = 1, 1, -1
   mesh = build.mesh(c)  # data=8
   decode_mesh = build.rollout_mesh(c, mesh)
-  assert dict(decode_mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 8}
+  assert dict(decode_mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 8, "expert": 1}
   tok = build.tokenizer(c)
   model = build.model(c, tok, mesh)
   rng = np.random.default_rng(0)

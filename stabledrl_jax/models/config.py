@@ -146,6 +146,15 @@ class ModelConfig:
     return self.family == "dream"
 
   @property
+  def active_mlp_params(self) -> int:
+    """The MLP weights one token is multiplied by, over all layers: the dense SwiGLU's, or the
+    router's plus its chosen and the shared experts' (FLOP counts, `flops.forward_flops`)."""
+    d = self.d_model
+    moe = (3 * d * self.moe_intermediate_size * (self.num_experts_per_tok + self.num_shared_experts)
+           + d * self.num_experts)
+    return sum(moe if self.is_moe_layer(i) else 3 * d * self.mlp_dim for i in range(self.n_layers))
+
+  @property
   def num_params(self) -> int:
     """Parameter count of the (untied) model."""
     d, h = self.d_model, self.head_dim
@@ -242,7 +251,7 @@ def llada2_tiny(**changes) -> ModelConfig:
       n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=128, rope_theta=600000.0, norm_eps=1e-6,
       qk_norm=True, mask_token_id=127, eos_token_id=1, pad_token_id=0, stop_token_ids=(1,),
       block_size=4, max_seq_len=256, compute_dtype="float32", num_experts=8,
-      num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=32,
+      num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=64,
       num_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
       partial_rotary_factor=0.5)
   return dataclasses.replace(base, **changes)

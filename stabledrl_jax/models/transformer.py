@@ -162,20 +162,23 @@ class Block(nnx.Module):
       self.up_proj = _linear(cfg.d_model, cfg.mlp_dim, cfg, rngs)
       self.down_proj = _linear(cfg.mlp_dim, cfg.d_model, cfg, rngs)
 
-  def __call__(self, x_BxTxD, cos_BxTxH, sin_BxTxH, mask_Bx1xTxS, past_kv=None):
+  def __call__(self, x_BxTxD, cos_BxTxH, sin_BxTxH, mask_Bx1xTxS, past_kv=None, route_MxK=None):
+    """Returns (output, (k, v) of these tokens, the experts each token chose [B*T, k] or None
+    for a dense layer); `route_MxK` replays an earlier forward's experts (routing replay)."""
     h_BxTxD, new_kv = self.attn(self.attn_norm(x_BxTxD), cos_BxTxH, sin_BxTxH, mask_Bx1xTxS, past_kv)
     x_BxTxD = x_BxTxD + h_BxTxD
     b, t, d = x_BxTxD.shape
     y_MxD = self.mlp_norm(x_BxTxD).reshape(b * t, d)
+    experts_MxK = None
     if hasattr(self, "moe"):
-      mlp_MxD, _ = self.moe(y_MxD)
+      mlp_MxD, experts_MxK = self.moe(y_MxD, route_MxK)
     else:
       mlp_MxD = self.down_proj(jax.nn.silu(self.gate_proj(y_MxD)) * self.up_proj(y_MxD))
-    return x_BxTxD + mlp_MxD.reshape(b, t, d), new_kv
+    return x_BxTxD + mlp_MxD.reshape(b, t, d), new_kv, experts_MxK
 
 
-def _run_block(block: Block, x, cos, sin, mask, past_kv):
-  return block(x, cos, sin, mask, past_kv)
+def _run_block(block: Block, x, cos, sin, mask, past_kv, route):
+  return block(x, cos, sin, mask, past_kv, route)
 
 
 _POLICIES = {"nothing": jax.checkpoint_policies.nothing_saveable,
@@ -183,17 +186,17 @@ _POLICIES = {"nothing": jax.checkpoint_policies.nothing_saveable,
              "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
-def _run_block_remat(block: Block, x, cos, sin, mask, past_kv, policy: str = "nothing"):
+def _run_block_remat(block: Block, x, cos, sin, mask, past_kv, route, policy: str = "nothing"):
   """`_run_block` under `jax.checkpoint` (activations recomputed in the backward pass). The block
   goes in as a pure state, so this also works inside `lax` loops (the samplers), where
   `nnx.remat` cannot update the module from another trace level."""
   graphdef, state = nnx.split(block)
 
   @functools.partial(jax.checkpoint, policy=_POLICIES[policy])
-  def run(state, x, cos, sin, mask, past_kv):
-    return nnx.merge(graphdef, state)(x, cos, sin, mask, past_kv)
+  def run(state, x, cos, sin, mask, past_kv, route):
+    return nnx.merge(graphdef, state)(x, cos, sin, mask, past_kv, route)
 
-  return run(state, x, cos, sin, mask, past_kv)
+  return run(state, x, cos, sin, mask, past_kv, route)
 
 
 @flax.struct.dataclass
@@ -256,19 +259,28 @@ class Transformer(nnx.Module):
     self.head = Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype,
                        param_dtype=cfg.param_dtype, kernel_init=_INIT, rngs=rngs)
 
-  def _trunk(self, ids_BxT, positions_BxT, mask_Bx1xTxS, past=None):
-    """Final-normed hidden states and the per-layer (k, v) of these tokens."""
+  def _trunk(self, ids_BxT, positions_BxT, mask_Bx1xTxS, past=None, routes=None):
+    """Final-normed hidden states, the per-layer (k, v) of these tokens and the experts every
+    token chose in each mixture-of-experts layer, `[B, MoE layers, T, k]` (None without such
+    layers); `routes` of that shape replays them (routing replay)."""
     cfg = self.config
+    b, t = ids_BxT.shape
     x_BxTxD = self.embed(ids_BxT)
     cos, sin = rope_cos_sin(positions_BxT, cfg.rotary_dim, cfg.rope_theta)
     run = (functools.partial(_run_block_remat, policy=cfg.remat_policy) if cfg.remat
            else _run_block)
-    new_kvs = []
+    new_kvs, chosen = [], []
     for i, block in enumerate(self.blocks):
       past_kv = None if past is None else past[i]
-      x_BxTxD, kv = run(block, x_BxTxD, cos, sin, mask_Bx1xTxS, past_kv)
+      route = None
+      if routes is not None and hasattr(block, "moe"):
+        route = routes[:, len(chosen)].reshape(b * t, -1)
+      x_BxTxD, kv, experts_MxK = run(block, x_BxTxD, cos, sin, mask_Bx1xTxS, past_kv, route)
       new_kvs.append(kv)
-    return self.final_norm(x_BxTxD), new_kvs
+      if experts_MxK is not None:
+        chosen.append(experts_MxK.reshape(b, t, -1))
+    chosen_BxExTxK = jnp.stack(chosen, axis=1) if chosen else None
+    return self.final_norm(x_BxTxD), new_kvs, chosen_BxExTxK
 
   def _targets(self, h_BxTxD: jax.Array, valid_BxT=None) -> jax.Array:
     """The trunk's final-normed states aligned with the tokens they predict (the identity for
@@ -303,7 +315,7 @@ class Transformer(nnx.Module):
 
   def logits(self, input_ids_BxL: jax.Array, *, attention: str = "full",
              block_size: int | None = None, positions=None, valid_BxL=None,
-             head: bool = True) -> jax.Array:
+             head: bool = True, routes=None, with_routes: bool = False) -> jax.Array:
     """Plain forward: `attention="full"` (bidirectional, LLaDA) or `"block_causal"` (SDAR).
 
     `positions` ([L] or [B, L]) default to 0..L-1; `valid_BxL` marks real (non-padding) keys.
@@ -311,7 +323,8 @@ class Transformer(nnx.Module):
     targets like the logits (`head_logits` maps them to logits, e.g. a chunk at a time). For a
     shifted family the first real slot of each row has no prediction of its own: see
     `shift_to_targets`. `"block_causal"` with `block_size=1` is then the autoregressive forward
-    of the model the family was initialised from.
+    of the model the family was initialised from. Mixture of experts: `with_routes=True` returns
+    `(out, experts [B, MoE layers, L, k])`, and `routes` replays such experts (`_trunk`).
     """
     b, l = input_ids_BxL.shape
     positions_BxL = _positions(positions, b, l)
@@ -324,18 +337,21 @@ class Transformer(nnx.Module):
       mask = self._mask(attn_lib.block_causal_parts(positions_BxL, block_size, valid_BxL))
     else:
       raise ValueError(f"unknown attention {attention!r}; expected 'full' or 'block_causal'")
-    h_BxLxD, _ = self._trunk(input_ids_BxL, positions_BxL, mask)
+    h_BxLxD, _, chosen = self._trunk(input_ids_BxL, positions_BxL, mask, routes=routes)
     h_BxLxD = self._targets(h_BxLxD, valid_BxL)
-    return self._head(h_BxLxD) if head else h_BxLxD
+    out = self._head(h_BxLxD) if head else h_BxLxD
+    return (out, chosen) if with_routes else out
 
   def staircase_logits(self, noisy_ids_BxN: jax.Array, clean_ids_BxN: jax.Array, *,
                        block_size: int | None = None, positions=None,
-                       valid_BxN=None, head: bool = True) -> jax.Array:
+                       valid_BxN=None, head: bool = True, routes=None,
+                       with_routes: bool = False) -> jax.Array:
     """Logits [B, N, V] of the noisy stream, each block conditioned on its clean prefix only.
 
     One forward over `[x_t ; x_0]` (length 2N, shared positions) replaces one forward per block.
     `head=False` returns the noisy stream's hidden states `[B, N, D]` instead. Refused for a
-    shifted family (Dream), which is not a block-diffusion model.
+    shifted family (Dream), which is not a block-diffusion model. `routes` / `with_routes` as in
+    `logits`, over both streams (`[B, MoE layers, 2N, k]`).
     """
     self._refuse_shifted("staircase attention")
     block_size = block_size or self.config.block_size
@@ -346,8 +362,9 @@ class Transformer(nnx.Module):
     mask = self._mask(attn_lib.staircase_parts(positions_BxN, block_size, valid_BxN))
     ids_Bx2N = jnp.concatenate([noisy_ids_BxN, clean_ids_BxN], axis=1)
     positions_Bx2N = jnp.concatenate([positions_BxN, positions_BxN], axis=1)
-    h_Bx2NxD, _ = self._trunk(ids_Bx2N, positions_Bx2N, mask)
-    return self._head(h_Bx2NxD[:, :n]) if head else h_Bx2NxD[:, :n]
+    h_Bx2NxD, _, chosen = self._trunk(ids_Bx2N, positions_Bx2N, mask, routes=routes)
+    out = self._head(h_Bx2NxD[:, :n]) if head else h_Bx2NxD[:, :n]
+    return (out, chosen) if with_routes else out
 
   def forward_kv(self, ids_BxT: jax.Array, *, positions_BxT: jax.Array, valid_BxT: jax.Array,
                  past=None, past_valid_BxS=None):
@@ -368,7 +385,7 @@ class Transformer(nnx.Module):
       k_valid_BxS = jnp.concatenate([jnp.asarray(past_valid_BxS, bool), k_valid_BxS], axis=1)
     mask = attn_lib.attention_mask(jnp.zeros((b, t), jnp.int32),
                                    jnp.zeros(k_valid_BxS.shape, jnp.int32), k_valid_BxS=k_valid_BxS)
-    h_BxTxD, new_kvs = self._trunk(ids_BxT, _positions(positions_BxT, b, t), mask, past)
+    h_BxTxD, new_kvs, _ = self._trunk(ids_BxT, _positions(positions_BxT, b, t), mask, past)
     return self._targets(h_BxTxD, valid_BxT), new_kvs
 
   def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
@@ -410,7 +427,7 @@ class Transformer(nnx.Module):
             [jnp.zeros(cache.block_BxS.shape, bool), jnp.full((b, t), noisy)], axis=1),
         k_valid_BxS=jnp.concatenate([cache.valid_BxS, new_valid_BxT], axis=1))
     past = [(cache.k_LxBxSxKxH[i], cache.v_LxBxSxKxH[i]) for i in range(self.config.n_layers)]
-    h_BxTxD, new_kvs = self._trunk(ids_BxT, positions_BxT, mask, past)
+    h_BxTxD, new_kvs, _ = self._trunk(ids_BxT, positions_BxT, mask, past)
     logits_BxTxV = self._head(h_BxTxD)
     if commit:
       k_new = jnp.stack([k for k, _ in new_kvs]).astype(cache.k_LxBxSxKxH.dtype)

@@ -1,0 +1,117 @@
+"""LLaDA2.0's sampler (`rollouts.LLaDA2Sampling`) against a float64 NumPy loop of the released
+`generate` (modeling_llada2_moe.py), one prompt at a time, recomputing the prefix every step."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from stabledrl_jax import decoding, models, rollouts, samplers
+from tests.models_llada2_test import _randomise, reference_logits
+from tests.samplers_test import left_pad
+
+BS, GEN = 4, 8
+
+
+def np_generate(model, prompt, key, *, steps, minimal_topk=1, threshold=0.0, temperature=0.0,
+                top_k=0, top_p=1.0, eos=None):
+  """The released routine for one prompt (threshold 0: off). Draws: `decoding.uniforms` of the
+  step counted across blocks (the samplers' contract), used as Gumbel noise."""
+  mask = model.config.mask_token_id
+  steps = min(steps, GEN // minimal_topk)
+  p = len(prompt)
+  blocks = -(-(p + GEN) // BS)
+  x = np.full(blocks * BS, mask)
+  x[:p] = prompt
+  schedule = [BS // steps + (i < BS % steps) for i in range(steps)]
+  n = 0
+  for blk in range(p // BS, blocks):
+    end = (blk + 1) * BS
+    pos = np.arange(end)
+    allowed = (pos[None, :] // BS) <= (pos[:, None] // BS)
+    for s in range(steps):
+      active = x[end - BS:end] == mask
+      if not active.any():
+        break
+      logits = reference_logits(model, x[None, :end], allowed)[0, -BS:]
+      u = np.asarray(decoding.uniforms(key, n, (1, BS, logits.shape[-1]))[0][0], np.float64)
+      n += 1
+      if temperature == 0 and not top_k and top_p >= 1:
+        x0 = logits.argmax(-1)
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+      else:
+        logits = logits / (temperature or 1.0)
+        if top_k:
+          kth = np.sort(logits, -1)[:, -top_k][:, None]
+          logits = np.where(logits < kth, -np.inf, logits)
+        if top_p < 1:
+          for r in range(BS):
+            order = np.argsort(-logits[r], kind="stable")
+            pr = np.exp(logits[r][order] - logits[r][order[0]])
+            cum = np.cumsum(pr / pr.sum())
+            drop = np.concatenate([[False], cum[:-1] > top_p])
+            logits[r, order[drop]] = -np.inf
+        x0 = np.argmax(logits - np.log(-np.log(u)), -1)
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+      probs /= probs.sum(-1, keepdims=True)
+      conf = np.where(active, probs[np.arange(BS), x0], -np.inf)
+      high = conf > threshold if threshold > 0 else np.zeros(BS, bool)
+      if high.sum() >= schedule[s] and threshold > 0:
+        transfer = high
+      else:
+        transfer = np.zeros(BS, bool)
+        transfer[np.argsort(-conf, kind="stable")[:min(schedule[s], active.sum())]] = True
+      x[end - BS:end] = np.where(transfer, x0, x[end - BS:end])
+    if eos is not None and (x[p:end] == eos).any():
+      break
+  out = x[p:p + GEN]
+  stops = np.flatnonzero(out == eos) if eos is not None else []
+  return out[:stops[0] + 1] if len(stops) else out
+
+
+@pytest.fixture(scope="module")
+def model():
+  m = _randomise(models.create(models.llada2_tiny(), seed=11), seed=4)
+  m.head.kernel.set_value(m.head.kernel[...] * 40)  # peaked: some tokens pass the threshold
+  return m
+
+
+def _run(model, prompts, key, **kw):
+  ids, valid = left_pad(prompts)
+  sampling = rollouts.LLaDA2Sampling(
+      gen_length=GEN, block_length=BS, steps=kw.pop("steps"), minimal_topk=kw.pop("minimal_topk", 1),
+      threshold=kw.pop("threshold", 0.0), temperature=kw.pop("temperature", 0.0),
+      top_k=kw.pop("top_k", 0), top_p=kw.pop("top_p", 1.0), stop_ids=kw.pop("stop_ids", (999,)),
+      pad_id=0, **kw)
+  r = samplers.generate(model, ids, valid, key, sampling)
+  return [np.asarray(r.completion_BxC[i][:int(r.lengths_B[i])]) for i in range(len(prompts))]
+
+
+PROMPTS = [[5, 9, 17, 3, 44, 2], [8, 30, 12]]  # a partial prompt block; the last block has a tail
+
+
+def test_greedy_batched_left_padded_matches_the_released_loop(model):
+  key = jax.random.key(0)
+  free = np_generate(model, np.asarray(PROMPTS[0]), key, steps=4, threshold=0.5)
+  eos = int(free[4])  # a token of row 0's second generated block ends it there
+  got = _run(model, PROMPTS, key, steps=4, threshold=0.5, stop_ids=(eos,))
+  for prompt, row in zip(PROMPTS, got):
+    want = np_generate(model, np.asarray(prompt), key, steps=4, threshold=0.5, eos=eos)
+    np.testing.assert_array_equal(row, want)
+  assert len(got[0]) <= 5
+
+
+@pytest.mark.parametrize("kw", [
+    dict(steps=2, temperature=0.8, top_k=20, top_p=0.9),
+    dict(steps=8, minimal_topk=4, temperature=0.0, top_k=5),  # steps capped at 2; τ 1 as released
+])
+def test_sampling_matches_the_released_loop(model, kw):
+  key = jax.random.key(3)
+  got = _run(model, PROMPTS[:1], key, use_cache=False, **dict(kw))
+  want = np_generate(model, np.asarray(PROMPTS[0]), key, **kw)
+  np.testing.assert_array_equal(got[0], want)
+
+
+def test_bad_sampler_settings_name_the_key():
+  with pytest.raises(ValueError, match="minimal_topk=9"):
+    rollouts.LLaDA2Sampling(gen_length=8, block_length=4, steps=4, minimal_topk=9, threshold=0.0,
+                            temperature=0.0, top_k=0, top_p=1.0)
