@@ -1,6 +1,7 @@
-"""The mixture-of-experts layer (`models.moe.MoE`: routing + dropless ragged_dot experts + shared
-experts) against a dense SwiGLU of the same active width, forward+backward tokens/s on this
-machine, in one run, timed interleaved. Prints a markdown table with the ratio.
+"""The mixture-of-experts layer (`models.moe.MoE`: routing + dropless experts + shared experts),
+with each grouped-matmul formulation (`moe_impl`), against a dense SwiGLU of the same active
+width: forward+backward tokens/s on this machine, in one run, timed interleaved. Prints a
+markdown table with the ratios.
 
   .venv/bin/python bench/moe_layer.py --tokens 4096 --d-model 512 --experts 64 --active 4 \
       --expert-dim 256 --steps 5
@@ -49,18 +50,23 @@ def main(argv=None):
                            num_shared_experts=a.shared, moe_intermediate_size=a.expert_dim,
                            n_group=a.groups, topk_group=max(1, a.groups // 2),
                            compute_dtype="float32")
-  rngs = nnx.Rngs(0)
-  shared = (transformer.SwiGLU(cfg, a.expert_dim * a.shared, rngs=rngs) if a.shared else None)
-  moe = models.moe.MoE(cfg, rngs=rngs, shared_mlp=shared)
-  dense = transformer.SwiGLU(cfg, a.expert_dim * (a.active + a.shared), rngs=rngs)
   x = jax.random.normal(jax.random.key(1), (a.tokens, a.d_model), jnp.float32)
-  t_moe, t_dense = _time_interleaved([_step(moe, x, True), _step(dense, x, False)], a.steps)
+  steps, names = [], []
+  for impl in models.moe.IMPLS:
+    rngs = nnx.Rngs(0)
+    shared = transformer.SwiGLU(cfg, a.expert_dim * a.shared, rngs=rngs) if a.shared else None
+    layer = models.moe.MoE(models.replace(cfg, moe_impl=impl), rngs=rngs, shared_mlp=shared)
+    steps.append(_step(layer, x, True))
+    names.append(f"MoE ({impl}): {a.experts} experts, {a.active} active + {a.shared} shared of "
+                 f"{a.expert_dim}")
+  dense = transformer.SwiGLU(cfg, a.expert_dim * (a.active + a.shared), rngs=nnx.Rngs(0))
+  steps.append(_step(dense, x, False))
+  names.append(f"dense SwiGLU of {a.expert_dim * (a.active + a.shared)}")
+  times = _time_interleaved(steps, a.steps)
   print(f"| layer (d={a.d_model}, {a.tokens} tokens, fwd+bwd, {jax.devices()[0].device_kind}) "
-        "| tokens/s |\n|---|---|")
-  print(f"| MoE: {a.experts} experts, {a.active} active + {a.shared} shared of {a.expert_dim} "
-        f"| {a.tokens / t_moe:,.0f} |")
-  print(f"| dense SwiGLU of {a.expert_dim * (a.active + a.shared)} | {a.tokens / t_dense:,.0f} |")
-  print(f"| ratio MoE / dense | {t_dense / t_moe:.2f} |")
+        "| tokens/s | dense / this (time) |\n|---|---|---|")
+  for name, t in zip(names, times):
+    print(f"| {name} | {a.tokens / t:,.0f} | {times[-1] / t:.2f} |")
 
 
 if __name__ == "__main__":

@@ -81,6 +81,9 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.model.attention_impl = "dense"  # "blockwise": key tiles, no [heads, T, S] scores
   c.model.attention_tile = 512      # key positions per blockwise tile
   c.model.train_router = False      # llada2: SFT/RL update the MoE router (frozen by default)
+  # llada2: the experts' grouped matmuls, "tiles" (the active experts' work on any backend; CPU)
+  # or "ragged_dot" (jax.lax.ragged_dot; XLA's CPU lowering multiplies by every expert)
+  c.model.moe_impl = "tiles"
   # LoRA (`lora.from_config`): rank 0 = full fine-tuning; > 0 trains only adapters of this rank on
   # a frozen base (checkpoints hold the adapters alone; the export adds them alone in PEFT format).
   c.model.lora = ml_collections.ConfigDict()

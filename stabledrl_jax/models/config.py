@@ -17,7 +17,7 @@ BLOCK_DIFFUSION = ("sdar", "llada2")
 REMAT_POLICIES = ("nothing", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("dense", "blockwise")
 RUNTIME_OPTIONS = {"remat": False, "remat_policy": "nothing", "attention_impl": "dense",
-                   "attention_tile": 512, "train_router": False}
+                   "attention_tile": 512, "train_router": False, "moe_impl": "tiles"}
 
 
 def runtime_options(model_config_dict) -> dict:
@@ -66,6 +66,7 @@ class ModelConfig:
   routed_scaling_factor: float = 1.0
   partial_rotary_factor: float = 1.0  # RoPE on the first int(head_dim x this) dims of each head
   train_router: bool = False  # RL/SFT update the router (the expert bias never has a gradient)
+  moe_impl: str = "tiles"  # the experts' grouped matmuls: "tiles" | "ragged_dot" (models.moe)
 
   def __post_init__(self):
     if self.family not in FAMILIES:
@@ -85,6 +86,8 @@ class ModelConfig:
     if self.rotary_dim % 2 or self.rotary_dim < 2:
       raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} gives rotary_dim="
                        f"{self.rotary_dim}; it must be even and >= 2")
+    if self.moe_impl not in ("ragged_dot", "tiles"):
+      raise ValueError(f"unknown moe_impl {self.moe_impl!r}; expected 'ragged_dot' or 'tiles'")
     self._check_moe()
     if self.family == "dream" and self.qk_norm:
       raise ValueError("family 'dream' has no q/k norm (Qwen2.5 attention); set qk_norm=False")

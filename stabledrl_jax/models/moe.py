@@ -10,15 +10,19 @@ The routing, as the released remote code computes it (`modeling_llada2_moe.py`):
              * routed_scaling_factor
 Ties go to the lower index (`jax.lax.top_k`'s order; torch's `topk` leaves it unspecified).
 
-The experts run dropless: each token's k assignments are sorted by expert and every expert's
-rows go through one `jax.lax.ragged_dot`, so the work is that of the active experts only and no
-token is dropped for capacity. Routing replay (RL): `route_experts` takes the experts chosen by
+The experts run dropless: each token's k assignments are sorted by expert, and no token is
+dropped for capacity. Two formulations (`ModelConfig.moe_impl`): `ragged_dot`, one
+`jax.lax.ragged_dot` per projection (XLA's CPU lowering of it multiplies every row by every
+expert, masked; accelerators have grouped kernels), and `tiles`, each expert's rows padded to
+whole tiles of rows and every tile multiplied by its own expert's weights (a batched matmul of
+(M·k + experts·tile) rows: the work of the active experts on any backend, plus the padding). Routing replay (RL): `route_experts` takes the experts chosen by
 an earlier forward (`forced_MxK`) and recomputes only their weights.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 Array = jax.Array
@@ -52,10 +56,33 @@ def route_experts(logits_MxE: Array, expert_bias_E: Array, *, k: int, n_group: i
   return experts_MxK, weights_MxK * scaling
 
 
+IMPLS = ("ragged_dot", "tiles")
+
+
+def _tiled(x_NxD: Array, sorted_N: Array, sizes_E: Array, weights_ExIxO: list[Array],
+           fn) -> Array:
+  """`fn(x, W_e...)` of each row with its expert's weights, the rows sorted by expert
+  (`sorted_N`, `sizes_E` rows each): every expert's rows padded to whole tiles, each tile one
+  matmul with its expert's weights."""
+  n, e = x_NxD.shape[0], sizes_E.shape[0]
+  tile = int(np.clip(n // e, 8, 128))
+  num_tiles = n // tile + e  # >= sum_e ceil(size_e / tile)
+  padded_E = (sizes_E + tile - 1) // tile * tile
+  first_E = jnp.cumsum(sizes_E) - sizes_E
+  padded_first_E = jnp.cumsum(padded_E) - padded_E
+  slot_N = padded_first_E[sorted_N] + jnp.arange(n) - first_E[sorted_N]
+  x_TxSxD = jnp.zeros((num_tiles * tile, x_NxD.shape[1]), x_NxD.dtype).at[slot_N].set(
+      x_NxD).reshape(num_tiles, tile, -1)
+  tile_expert_T = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded_E), jnp.arange(num_tiles) * tile,
+                                               side="right"), e - 1)
+  y_TxSxO = fn(x_TxSxD, *(w[tile_expert_T] for w in weights_ExIxO))
+  return y_TxSxO.reshape(num_tiles * tile, -1)[slot_N]
+
+
 def grouped_swiglu(x_MxD: Array, experts_MxK: Array, weights_MxK: Array, gate_ExDxF: Array,
-                   up_ExDxF: Array, down_ExFxD: Array) -> Array:
+                   up_ExDxF: Array, down_ExFxD: Array, impl: str = "ragged_dot") -> Array:
   """Σ_k weight_k · SwiGLU_{expert_k}(x) per token, dropless: the M·k assignments sorted by
-  expert, one grouped matmul per projection (`jax.lax.ragged_dot`), then unsorted. float32 sum."""
+  expert, grouped matmuls (`impl`, module docstring), then unsorted. float32 sum."""
   m, d = x_MxD.shape
   k = experts_MxK.shape[1]
   e = gate_ExDxF.shape[0]
@@ -64,9 +91,16 @@ def grouped_swiglu(x_MxD: Array, experts_MxK: Array, weights_MxK: Array, gate_Ex
   sizes_E = jnp.bincount(flat_N, length=e).astype(jnp.int32)
   x_NxD = x_MxD[order_N // k]
   dtype = x_MxD.dtype
-  h_NxF = (jax.nn.silu(jax.lax.ragged_dot(x_NxD, gate_ExDxF.astype(dtype), sizes_E))
-           * jax.lax.ragged_dot(x_NxD, up_ExDxF.astype(dtype), sizes_E))
-  y_NxD = jax.lax.ragged_dot(h_NxF, down_ExFxD.astype(dtype), sizes_E)
+  gate, up, down = (w.astype(dtype) for w in (gate_ExDxF, up_ExDxF, down_ExFxD))
+  if impl == "tiles":
+    def swiglu(x, g, u, dn):
+      h = jax.nn.silu(jnp.einsum("tsd,tdf->tsf", x, g)) * jnp.einsum("tsd,tdf->tsf", x, u)
+      return jnp.einsum("tsf,tfd->tsd", h, dn)
+    y_NxD = _tiled(x_NxD, flat_N[order_N], sizes_E, [gate, up, down], swiglu)
+  else:
+    h_NxF = (jax.nn.silu(jax.lax.ragged_dot(x_NxD, gate, sizes_E))
+             * jax.lax.ragged_dot(x_NxD, up, sizes_E))
+    y_NxD = jax.lax.ragged_dot(h_NxF, down, sizes_E)
   y_MxKxD = jnp.zeros_like(y_NxD).at[order_N].set(y_NxD).reshape(m, k, d)
   return jnp.einsum("mkd,mk->md", y_MxKxD.astype(jnp.float32), weights_MxK)
 
@@ -80,7 +114,7 @@ class MoE(nnx.Module):
     init = nnx.initializers.normal(0.02)
     pd = cfg.param_dtype
     self.k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
-    self.scaling = cfg.routed_scaling_factor
+    self.scaling, self.impl = cfg.routed_scaling_factor, cfg.moe_impl
     self.router = RouterParam(init(rngs.params(), (d, e), jnp.float32))
     self.expert_bias = RouterParam(jnp.zeros((e,), jnp.float32))
     self.gate_kernel = nnx.Param(init(rngs.params(), (e, d, f), pd))
@@ -97,7 +131,8 @@ class MoE(nnx.Module):
     """`(output [M, D] in y's dtype, the chosen experts [M, k])`."""
     experts_MxK, weights_MxK = self.route(y_MxD, forced_MxK)
     out_MxD = grouped_swiglu(y_MxD, experts_MxK, weights_MxK, self.gate_kernel[...],
-                             self.up_kernel[...], self.down_kernel[...]).astype(y_MxD.dtype)
+                             self.up_kernel[...], self.down_kernel[...],
+                             self.impl).astype(y_MxD.dtype)
     if self.shared_experts is not None:
       out_MxD = out_MxD + self.shared_experts(y_MxD)
     return out_MxD, experts_MxK
