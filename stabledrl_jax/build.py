@@ -222,12 +222,24 @@ def held_out(c: ml_collections.ConfigDict, t: tasks.Task, data_dir: str) -> list
   return [source[i] for i in range(len(source))]
 
 
+def data_dir(c: ml_collections.ConfigDict, workdir: str) -> str:
+  """Where a task's prepared files (TFDS array_record) go: `task.data_dir`, else WORKDIR/data. A
+  workdir in a bucket, where array_record cannot write, keeps them on local disk instead, one
+  directory per process (each host prepares its own)."""
+  if c.task.data_dir:
+    return c.task.data_dir
+  if storage.is_remote(workdir):
+    return os.path.join(os.path.expanduser("~"), ".cache", "stabledrl_jax", "data",
+                        os.fspath(workdir).replace("://", "/"), f"process_{jax.process_index()}")
+  return os.path.join(workdir, "data")
+
+
 def data(c: ml_collections.ConfigDict, tokenizer, workdir: str, mesh=None) -> Data:
   """Tasks and this process's data iterators (`mesh`: the run's, which decides the rows)."""
   sft_rows, rl_rows = process_rows(c, mesh)
   t = task(c)
   reward = reward_fn(c, t)
-  kwargs = source_kwargs(c, c.task.data_dir or os.path.join(workdir, "data"))
+  kwargs = source_kwargs(c, data_dir(c, workdir))
   sft_kwargs = source_kwargs(c, kwargs["data_dir"], sft=True)
   # Process 0 prepares the on-disk data (a shared workdir must not be written by all at once).
   several = jax.process_count() > 1

@@ -385,6 +385,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
       bad("task.source_dir", "no such directory (task.source='local' reads files from it)")
   elif c.task.source not in ("generated", "public"):
     bad("task.source", "expected 'generated', 'local' or 'public'")
+  if storage.is_remote(c.task.data_dir):
+    bad("task.data_dir", "must be on local disk or a shared file system (TFDS's array_record "
+        "files cannot be written to a bucket; leave it empty for a local cache per process)")
   for name, weight in c.task.reward_weights.items():
     if not isinstance(weight, (int, float)):
       raise ValueError(f"config.task.reward_weights.{name}={weight!r}: must be a number")

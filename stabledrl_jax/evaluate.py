@@ -126,7 +126,7 @@ def main(argv):
     model, tokenizer, step = cli.load_policy(c, workdir, f.step)
     build.check_positions(c, model)
     task = build.task(c)
-    examples = build.held_out(c, task, os.path.join(out_dir, "data"))[:f.max_examples]
+    examples = build.held_out(c, task, build.data_dir(c, out_dir))[:f.max_examples]
     if not examples:
       raise ValueError(f"task {c.task.name!r}: the test split is empty")
     build.check_reward(task, build.reward_fn(c, task), examples[:3])

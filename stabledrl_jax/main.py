@@ -11,7 +11,7 @@ import sys
 
 from absl import app, flags
 
-from stabledrl_jax import cli, train
+from stabledrl_jax import cli, storage, train
 
 cli.define_flags("configs/sdar.py", "Training config file (configs/NAME.py[:PRESET]: the "
                  "project's own, from any directory).")
@@ -32,6 +32,9 @@ def main(argv):
     train.run(c, workdir)
   except train.SetupError as e:
     sys.exit(f"error: {e}")
+  except Exception as e:  # a bucket that disappeared mid-run: said so, in one line
+    storage.raise_if_bucket_lost(workdir, e)
+    raise
 
 
 if __name__ == "__main__":

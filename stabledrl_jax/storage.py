@@ -30,6 +30,33 @@ def is_remote(p: str | os.PathLike) -> bool:
   return "://" in os.fspath(p)
 
 
+def check_bucket(p: str | os.PathLike) -> None:
+  """Raise `FileNotFoundError` (one line naming `p`) when `p` lies in a bucket that does not exist
+  or cannot be reached with these credentials; nothing for a local path."""
+  if not is_remote(p):
+    return
+  scheme, rest = os.fspath(p).split("://", 1)
+  bucket = f"{scheme}://{rest.split('/')[0]}"
+  try:
+    found = epath.Path(bucket).exists()
+  except Exception as e:  # credentials, network: whatever the client raises
+    text = (str(e).splitlines() or [""])[0]
+    raise FileNotFoundError(f"{p}: cannot reach bucket {bucket} ({type(e).__name__}: {text})") from e
+  if not found:
+    raise FileNotFoundError(f"{p}: no bucket {bucket}, or no access to it (check its name and the "
+                            "credentials: gcloud auth application-default login)")
+
+
+def raise_if_bucket_lost(p: str | os.PathLike, error: BaseException) -> None:
+  """After `error`: when `p`'s bucket is now gone or unreachable, raise that as one line naming
+  `p` (the cause kept); else return."""
+  try:
+    check_bucket(p)
+  except FileNotFoundError as lost:
+    raise FileNotFoundError(f"{lost}; the run stopped, its last complete checkpoint is kept: rerun "
+                            "the same command once the bucket is back") from error
+
+
 def makedirs(p: epath.Path) -> None:
   """Create a local directory (with parents). A bucket has no directories: nothing to do, and
   nothing created (gcsfs would create a missing bucket)."""

@@ -104,6 +104,7 @@ def setup(c: ml_collections.ConfigDict, workdir: str) -> Run:
   """Settings, meshes, tokenizer, data, model, detectors, controls and the checkpointer."""
   try:
     s = build.settings(c)
+    storage.check_bucket(workdir)
     storage.makedirs(storage.path(workdir))
     # A change the saved run cannot follow stops here; the record is written after the restore.
     run_record.check(c.to_dict(), workdir, main_process=False,

@@ -46,6 +46,7 @@ class Emulator:
   objects: pathlib.Path  # the bucket's objects as the server stores them (read them, never write)
   env: dict  # the whole environment of a client process (os.environ with the emulator's variables)
   prefix: tuple  # runs a command inside the server's network namespace
+  gone_flag: pathlib.Path  # while this file exists, the bucket answers as deleted (`lose_bucket`)
 
   def url(self, *parts: str) -> str:
     return "/".join((f"gs://{self.bucket}", *parts))
@@ -57,6 +58,14 @@ class Emulator:
   def run(self, cmd, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([*self.prefix, *cmd], env={**self.env, **kwargs.pop("env", {})},
                           **kwargs)
+
+  def lose_bucket(self, gone: bool = True) -> None:
+    """From now on every request about the bucket gets the service's 404 for a deleted bucket
+    (its objects kept, so that `lose_bucket(False)` brings it back as it was)."""
+    if gone:
+      self.gone_flag.touch()
+    else:
+      self.gone_flag.unlink(missing_ok=True)
 
 
 def client_env(base: dict, endpoint: str, cloudsdk_config: str) -> dict:
@@ -101,7 +110,8 @@ def running(bucket: str = "bkt", seed: str | os.PathLike | None = None):
               "-filesystem-root", str(root), "-host", "127.0.0.1", "-port", str(SERVER_PORT),
               "-data", str(data.parent), "-external-url", endpoint,
               "-public-host", f"127.0.0.1:{PORT}", "-log-level", "error"]
-    proxy = [sys.executable, os.path.abspath(__file__), str(PORT), str(SERVER_PORT)]
+    gone = pathlib.Path(tmp, "gone")
+    proxy = [sys.executable, os.path.abspath(__file__), str(PORT), str(SERVER_PORT), str(gone)]
     # bash in the new namespace raises lo, starts both and reports once both accept.
     up = " && ".join(f"(exec 3<>/dev/tcp/127.0.0.1/{p})" for p in (PORT, SERVER_PORT))
     script = (f'ip link set lo up && {{ {shlex.join(server)} & }} && {{ {shlex.join(proxy)} & }} && '
@@ -113,7 +123,7 @@ def running(bucket: str = "bkt", seed: str | os.PathLike | None = None):
       if proc.stdout.readline().strip() != "ready":
         raise RuntimeError(f"fake-gcs-server did not start (exit code {proc.wait()})")
       yield Emulator(bucket, root / bucket, client_env(dict(os.environ), endpoint, os.path.join(tmp, "gcloud")),
-                     ("nsenter", f"--net=/proc/{proc.pid}/ns/net", "--"))
+                     ("nsenter", f"--net=/proc/{proc.pid}/ns/net", "--"), gone)
     finally:
       os.killpg(proc.pid, 9)
       proc.wait()
@@ -139,6 +149,7 @@ def _object_of(path: str, query: dict) -> tuple[str, str] | None:
 class _Proxy(http.server.BaseHTTPRequestHandler):
   protocol_version = "HTTP/1.1"
   upstream = ("127.0.0.1", SERVER_PORT)
+  gone_flag = None
 
   def log_message(self, *args):
     pass
@@ -197,6 +208,15 @@ class _Proxy(http.server.BaseHTTPRequestHandler):
     url = urllib.parse.urlsplit(self.path)
     query = dict(urllib.parse.parse_qsl(url.query))
     target = _object_of(url.path, query)
+    if "/b/" in url.path and os.path.exists(self.gone_flag):
+      status, data = 404, json.dumps({"error": {"code": 404, "message": "The specified bucket "
+                                                "does not exist."}}).encode()
+      self.send_response(status)
+      self.send_header("Content-Type", "application/json")
+      self.send_header("Content-Length", str(len(data)))
+      self.end_headers()
+      self.wfile.write(data)
+      return
     with _LOCK:
       failed = self._failed(query, target)
       status, headers, data = (failed, [], b"" if failed == 304 else json.dumps(
@@ -217,6 +237,6 @@ class _Proxy(http.server.BaseHTTPRequestHandler):
   do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _handle
 
 
-if __name__ == "__main__":  # python gcs_emulator.py PORT SERVER_PORT: the proxy
-  _Proxy.upstream = ("127.0.0.1", int(sys.argv[2]))
+if __name__ == "__main__":  # python gcs_emulator.py PORT SERVER_PORT GONE_FLAG: the proxy
+  _Proxy.upstream, _Proxy.gone_flag = ("127.0.0.1", int(sys.argv[2])), sys.argv[3]
   http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), _Proxy).serve_forever()

@@ -306,7 +306,8 @@ def cache_key(task: str, source: str, source_dir: str | Path | None) -> dict[str
   the content hash of each of its files (so edited or other files make another key)."""
   key: dict[str, Any] = {"task": task, "source": source, "version": str(_VERSION)}
   if source == "local" and source_dir is not None:
-    folder = epath.Path(source_dir).resolve()
+    folder = epath.Path(source_dir)
+    folder = folder if "://" in str(folder) else folder.resolve()  # a bucket's path is absolute
     key["source_dir"] = str(folder)
     key["files"] = {path.name: hashlib.sha256(path.read_bytes()).hexdigest()
                     for path in sorted(folder.iterdir()) if path.is_file()}
