@@ -332,3 +332,15 @@ def test_tiled_experts_equal_ragged_dot_values_and_gradients():
   (v1, g1), (v2, g2) = run("ragged_dot"), run("tiles")
   np.testing.assert_allclose(v2, v1, rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4), g2, g1)
+
+
+def test_lora_default_targets_are_the_released_module_names():
+  from stabledrl_jax import lora
+  chosen = lora.select(models.llada2_tiny(), lora.DEFAULT_TARGETS["llada2"])
+  assert sorted(chosen) == [
+      f"model.layers.{i}.{name}" for i, names in (
+          (0, ("attention.dense", "attention.query_key_value", "mlp.down_proj", "mlp.gate_proj",
+               "mlp.up_proj")),
+          (1, ("attention.dense", "attention.query_key_value", "mlp.shared_experts.down_proj",
+               "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj")))
+      for name in names]
