@@ -63,7 +63,7 @@ def test_a_bucket_run_survives_kill_9_and_a_lost_bucket_and_the_commands_use_it(
     proc = gcs.popen(cmd, **quiet)
     for line in proc.stdout:
       if "resumed from" in line:
-        assert "step 2/4" in line and run in line, line
+        assert run in line, line
         gcs.lose_bucket()
         break
     stdout, stderr = proc.communicate(timeout=600)
