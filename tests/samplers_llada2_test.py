@@ -100,15 +100,30 @@ def test_greedy_batched_left_padded_matches_the_released_loop(model):
   assert len(got[0]) <= 5
 
 
-@pytest.mark.parametrize("kw", [
-    dict(steps=2, temperature=0.8, top_k=20, top_p=0.9),
-    dict(steps=8, minimal_topk=4, temperature=0.0, top_k=5),  # steps capped at 2; τ 1 as released
-])
-def test_sampling_matches_the_released_loop(model, kw):
+def test_sampling_matches_the_released_loop(model):
+  kw = dict(steps=8, minimal_topk=4, temperature=0.8, top_k=20, top_p=0.9)  # steps capped at 2
   key = jax.random.key(3)
   got = _run(model, PROMPTS[:1], key, use_cache=False, **dict(kw))
   want = np_generate(model, np.asarray(PROMPTS[0]), key, **kw)
   np.testing.assert_array_equal(got[0], want)
+
+
+def test_temperature_zero_with_a_filter_draws_at_temperature_one():
+  """The released choice samples whenever top-k or top-p is set, dividing by the temperature
+  only when it is > 0."""
+  logits = jnp.asarray(np.random.default_rng(0).standard_normal((1, 3, 16)) * 3, jnp.float32)
+  u = jax.random.uniform(jax.random.key(1), (1, 3, 16), minval=1e-6)
+  x0, conf = decoding.llada2_choose(logits, u, 0.0, 5, 1.0)
+  kth = np.sort(np.asarray(logits), -1)[..., -5][..., None]
+  filtered = np.where(np.asarray(logits) < kth, -np.inf, np.asarray(logits, np.float64))
+  want = np.argmax(filtered - np.log(-np.log(np.asarray(u, np.float64))), -1)
+  np.testing.assert_array_equal(np.asarray(x0), want)
+  p = np.exp(filtered - filtered.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  np.testing.assert_allclose(np.asarray(conf), np.take_along_axis(p, want[..., None], -1)[..., 0],
+                             rtol=1e-5)
+  greedy, _ = decoding.llada2_choose(logits, u, 0.0, 0, 1.0)
+  np.testing.assert_array_equal(np.asarray(greedy), np.argmax(np.asarray(logits), -1))
 
 
 def test_bad_sampler_settings_name_the_key():
