@@ -5,8 +5,9 @@ r"""Start the `N` processes of one run on this machine: the multi-host code path
       --config=configs/sdar.py:smoke --workdir=runs/local2
 
 Everything after `--` goes to `python -m stabledrl_jax.main` on every process. Only process 0
-prints. If a process fails, the others are stopped and the launcher exits with its code; rerun
-the same command to resume from the last checkpoint.
+prints. SIGTERM or SIGINT (Ctrl-C) to the launcher goes on to the processes, which save at the
+next step boundary and exit (docs/preemption.md). If a process fails, the others are stopped and
+the launcher exits with its code; rerun the same command to resume from the last checkpoint.
 """
 import argparse
 import os
@@ -61,23 +62,25 @@ def main() -> int:
       except subprocess.TimeoutExpired:
         p.kill()
 
-  signal.signal(signal.SIGTERM, lambda *_: (stop_all(), sys.exit(143)))
-  try:
-    while True:
-      codes = [p.poll() for p in procs]
-      failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-      if failed:
-        i, code = failed[0]
-        print(f"launch: process {i} exited with code {code}; stopping the others", file=sys.stderr,
-              flush=True)
-        stop_all()
-        return code if code > 0 else 128 - code
-      if all(c == 0 for c in codes):
-        return 0
-      time.sleep(0.2)
-  except KeyboardInterrupt:
-    stop_all()
-    return 130
+  def forward(signum, _):  # the processes save at their next step boundary and exit 0
+    for p in procs:
+      if p.poll() is None:
+        p.send_signal(signum)
+
+  signal.signal(signal.SIGTERM, forward)
+  signal.signal(signal.SIGINT, forward)
+  while True:
+    codes = [p.poll() for p in procs]
+    failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+    if failed:
+      i, code = failed[0]
+      print(f"launch: process {i} exited with code {code}; stopping the others", file=sys.stderr,
+            flush=True)
+      stop_all()
+      return code if code > 0 else 128 - code
+    if all(c == 0 for c in codes):
+      return 0
+    time.sleep(0.2)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   if num_processes is not None and not 0 <= process_id < num_processes:
     raise ValueError(f"process_id={process_id} is not in [0, num_processes={num_processes})")
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # JAX's preemption service would take SIGTERM for itself: every command would then ignore it.
+  # Training handles SIGTERM and SIGINT in `preemption`; the other commands stop on them.
+  jax.config.update("jax_enable_preemption_service", False)
   jax.distributed.initialize(coordinator_address, num_processes, process_id,
                              heartbeat_timeout_seconds=heartbeat_timeout_s)
 

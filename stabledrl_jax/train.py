@@ -24,8 +24,8 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from stabledrl_jax import (build, checkpointing, cli, config_lib, controls, detectors,
-                           distributed, evaluate, export, flops, lora, metrics, models, optim, rl,
-                           run_record, sft, storage)
+                           distributed, evaluate, export, flops, lora, metrics, models, optim,
+                           preemption, rl, run_record, sft, storage)
 
 
 class SetupError(Exception):
@@ -52,6 +52,7 @@ class Run:
   skipped: int = 0
   # sft.patience: the best validation check so far, {"accuracy", "step", "since"} (checks since)
   sft_best: dict = dataclasses.field(default_factory=dict)
+  saved: int | None = None  # the step of the latest checkpoint this process started
 
   @property
   def total(self) -> int:
@@ -81,14 +82,21 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   r.writer = metrics.MetricsWriter(workdir, total_steps=r.total, resume_step=step - 1 if step else None,
                                    stage_ends=r.stage_ends)
   try:
-    while step < r.total:
-      stopped = train_step(r, step)
-      step += 1
-      if stopped:
-        distributed.log(f"stopped after step {step - 1}/{r.total} by {stopped.name} "
-                        "(stability.stop_on_event); the checkpoint of this step is kept: change the "
-                        "config and rerun the same command to resume")
-        return {"stopped": stopped._asdict(), "skipped_updates": r.skipped}
+    with preemption.Listener() as preempt:
+      while step < r.total:
+        stopped = train_step(r, step)
+        step += 1
+        if stopped:
+          distributed.log(f"stopped after step {step - 1}/{r.total} by {stopped.name} "
+                          "(stability.stop_on_event); the checkpoint of this step is kept: change "
+                          "the config and rerun the same command to resume")
+          return {"stopped": stopped._asdict(), "skipped_updates": r.skipped}
+        if preempt.agreed():
+          if r.saved != step - 1:
+            save(r, step - 1, stage_of(r, step - 1))
+          r.ckpt.wait()
+          distributed.log(f"preempted at step {step - 1}: saved; rerun the same command to resume")
+          return {"preempted": step - 1, "skipped_updates": r.skipped}
     final = final_evaluation(r)
     out = export.export(c, r.model, storage.path(workdir) / "hf", replace=True)
     adapter = f", its LoRA adapter alone: {export.adapter_dir(out)}" if lora.adapters(r.model) else ""
@@ -194,8 +202,13 @@ def train_step(r: Run, step: int) -> detectors.Event | None:
   if stage == "rl" and rl_index % c.eval.every == 0 and step != r.total - 1:
     log_eval(r, step, f"after {rl_index} RL steps")
   if (step + 1) % c.checkpoint.every == 0 or step == r.total - 1 or stopped or sft_ends:
-    save(r, step, "sft" if step < r.sft_end - 1 else "rl")
+    save(r, step, stage_of(r, step))
   return stopped
+
+
+def stage_of(r: Run, step: int) -> str:
+  """The stage a checkpoint of step `step` resumes in (SFT's last step resumes in RL)."""
+  return "sft" if step < r.sft_end - 1 else "rl"
 
 
 def sft_validation(r: Run, step: int) -> dict[str, float]:
@@ -281,6 +294,7 @@ def save(r: Run, at: int, stage: str) -> None:
       "seed": r.config.seed, "monitor": r.monitor.state_dict(),
       "controls": r.controls.state_dict(),
       "rng_key": np.asarray(jax.random.key_data(jax.random.key(r.config.seed))).tolist()})
+  r.saved = at
 
 
 def log_eval(r: Run, at: int, tag: str) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """Multi-process runs on this machine: the local launcher (2 processes x 2 CPU devices, gloo)
-against a single process on 4 devices, resumption, a dead process, and the cluster scripts."""
+against a single process on 4 devices, preemption and resumption, a dead process, and the cluster
+scripts."""
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -36,8 +36,17 @@ def assert_metrics_match(got, want):
         assert g[k] == v, (w["step"], k)
 
 
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+  """An uninterrupted run of the smoke preset in two processes: its workdir and stdout."""
+  multi = tmp_path_factory.mktemp("multi")
+  out = launch_local(multi)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return multi, out.stdout
+
+
 @pytest.mark.slow
-def test_two_processes_train_resume_and_match_one_process_on_as_many_devices(tmp_path):
+def test_two_processes_train_and_match_one_process_on_as_many_devices(tmp_path, two_processes):
   single = tmp_path / "single"
   out = subprocess.run(main_cmd(SMOKE, single), cwd=REPO, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "JAX_PLATFORMS": "cpu",
@@ -46,20 +55,67 @@ def test_two_processes_train_resume_and_match_one_process_on_as_many_devices(tmp
   want = read_jsonl(single / "metrics.jsonl")
   assert any(r.get("reward_mean", 0) > 0 for r in want), "no reward: the comparison would be weak"
 
-  multi = tmp_path / "multi"
-  out = launch_local(multi)
-  assert out.returncode == 0, out.stderr[-3000:]
-  assert out.stdout.count("(step 1) |") == 1, "only process 0 prints"
+  multi, stdout = two_processes
+  assert stdout.count("(step 1) |") == 1, "only process 0 prints"
   assert sorted(int(p.name) for p in (multi / "checkpoints").iterdir() if p.name.isdigit()) == [7, 11]
   assert_metrics_match(read_jsonl(multi / "metrics.jsonl"), want)
-
-  # Without the last checkpoint, the same command resumes mid-RL from step 8 and ends the same.
-  shutil.rmtree(multi / "checkpoints" / "11")
-  out = launch_local(multi)
-  assert out.returncode == 0, out.stderr[-3000:]
-  assert "resumed from" in out.stdout and "step 8/12" in out.stdout
-  assert_metrics_match(read_jsonl(multi / "metrics.jsonl"), want)
   assert strip_timing(read_jsonl(multi / "eval.jsonl")) == strip_timing(read_jsonl(single / "eval.jsonl"))
+
+
+PREEMPTED = "preempted at step {}: saved; rerun the same command to resume"
+
+
+def start_processes(workdir, cache):
+  """The launcher's two processes, started here so that a test can signal one of them."""
+  sys.path.insert(0, str(REPO / "launch"))
+  import local
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+         # the reruns load the first run's programs instead of compiling them again
+         "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+  return [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+          for cmd in local.commands(2, local.free_port(), 30, [f"--config={SMOKE}", f"--workdir={workdir}"])]
+
+
+def signal_at(procs, workdir, step, signum, victim):
+  """Send `signum` to process `victim` once step `step`'s metrics are written; both processes'
+  stdout once they have exited, which must be with code 0."""
+  path, deadline = workdir / "metrics.jsonl", time.time() + 300
+  while not any(r["step"] >= step for r in read_jsonl_if(path)):
+    assert all(p.poll() is None for p in procs) and time.time() < deadline, procs[0].stderr.read()[-3000:]
+    time.sleep(0.02)
+  os.kill(procs[victim].pid, signum)
+  outs = [p.communicate(timeout=300) for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+  return outs[0][0] + outs[1][0]
+
+
+@pytest.mark.slow
+def test_a_signalled_process_makes_both_save_one_step_and_exit_0_and_the_reruns_end_alike(
+    tmp_path, two_processes):
+  # SIGTERM to process 1 in SFT (steps 0-5), SIGINT to process 0 in RL (steps 6-11): each time both
+  # processes save the step in flight (no checkpoint is due there: every 4 steps), the rerun
+  # resumes after it, and the metrics end as the uninterrupted run's, exactly (same two processes).
+  want, run, cache = read_jsonl(two_processes[0] / "metrics.jsonl"), tmp_path / "run", tmp_path / "xla"
+  out = signal_at(start_processes(run, cache), run, 1, signal.SIGTERM, victim=1)
+  sft_step = max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+  assert 1 <= sft_step < 5, "preempted outside SFT's steps 1-4"
+  assert out.splitlines().count(PREEMPTED.format(sft_step)) == 1 and out.count("preempted") == 1, out
+
+  out = signal_at(start_processes(run, cache), run, 8, signal.SIGINT, victim=0)
+  rl_step = max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+  assert f"at step {sft_step + 1}/12" in out and PREEMPTED.format(rl_step) in out, out
+  assert 8 <= rl_step < 11 and out.count("preempted") == 1, "preempted outside RL's steps 8-10"
+  assert strip_timing(read_jsonl(run / "metrics.jsonl")) == strip_timing(want[:rl_step + 1])
+
+  procs = start_processes(run, cache)
+  outs = [p.communicate(timeout=600) for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:]
+  assert f"at step {rl_step + 1}/12" in outs[0][0] and "preempted" not in outs[0][0]
+  assert strip_timing(read_jsonl(run / "metrics.jsonl")) == strip_timing(want)
+  assert (strip_timing(read_jsonl(run / "eval.jsonl"))
+          == strip_timing(read_jsonl(two_processes[0] / "eval.jsonl")))
 
 
 @pytest.mark.slow

@@ -88,6 +88,14 @@ def test_pyproject_needs_only_jax_and_reads_the_trainers_extra_from_requirements
   assert [p.replace("[cpu]", "") for p in pinned] == [jax]  # one JAX bound for both installs
 
 
+def test_the_installed_jax_is_the_pinned_one():
+  # The suite's results and docs/scaling_fits.md's figures are of this version.
+  [pin] = [line.split("#")[0].strip() for line in (ROOT / "requirements.txt").read_text().splitlines()
+           if line.startswith("jax")]
+  version = pin.split("==")[1]
+  assert importlib.metadata.version("jax") == version and importlib.metadata.version("jaxlib") == version
+
+
 def closure(requirements: list[str]) -> set[str]:
   """Installed distributions these requirements pull in (extras and markers not taken)."""
   seen, todo = set(), [re.split(r"[\[<>=!~;\s(]", r, maxsplit=1)[0] for r in requirements]
