@@ -69,7 +69,7 @@ def samplings(family: str, cfg, args) -> list[tuple[str, object]]:
     exact = rollouts.LLaDASampling(gen_length=args.gen, block_length=args.block,
                                    steps=args.llada_steps, temperature=1.0,
                                    remasking="low_confidence", cfg_scale=0.0, cache="none",
-                                   threshold=0.0, order="confidence", stop_ids=(-1,))
+                                   threshold=0.0, order="confidence", chunk=0, stop_ids=(-1,))
     return [("exact", exact),
             (f"cache=dual threshold={args.threshold}",
              dataclasses.replace(exact, cache="dual", threshold=args.threshold))]
@@ -77,7 +77,7 @@ def samplings(family: str, cfg, args) -> list[tuple[str, object]]:
            rollouts.SDARSampling(gen_length=args.gen, block_length=cfg.block_size,
                                  steps=args.sdar_steps, strategy="low_confidence_static",
                                  threshold=0.0, temperature=1.0, top_k=0, top_p=1.0,
-                                 order="confidence", stop_ids=(-1,)))]
+                                 order="confidence", chunk=0, stop_ids=(-1,)))]
 
 
 def objective(family: str, cfg, args) -> rl.Objective:

@@ -103,17 +103,17 @@ def _sampling(sampler: str, gen_length: int, llada_steps: int, llada_block: int,
                                   eps=1e-3, temperature=0.0, top_k=0, top_p=1.0,
                                   block_length=llada_block, cache=cache,
                                   threshold=llada_threshold if threshold else 0.0,
-                                  stop_ids=NEVER_STOP)
+                                  chunk=0, stop_ids=NEVER_STOP)
   if sampler.startswith("llada"):
     cache, threshold = LLADA_FAST.get(sampler, ("none", False))
     return rollouts.LLaDASampling(gen_length=gen_length, block_length=llada_block,
                                   steps=llada_steps, temperature=0.0, remasking="low_confidence",
                                   cfg_scale=0.0, cache=cache,
                                   threshold=llada_threshold if threshold else 0.0,
-                                  order="confidence", stop_ids=NEVER_STOP)
+                                  order="confidence", chunk=0, stop_ids=NEVER_STOP)
   return rollouts.SDARSampling(gen_length=gen_length, block_length=block_size, steps=sdar_steps,
                                strategy="low_confidence_static", threshold=0.0, temperature=0.0,
-                               top_k=0, top_p=1.0, order="confidence",
+                               top_k=0, top_p=1.0, order="confidence", chunk=0,
                                use_cache=sampler == "sdar_cache", stop_ids=NEVER_STOP)
 
 

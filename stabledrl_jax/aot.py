@@ -4,8 +4,9 @@
 
 Compiles, for the topology's chips and the config's mesh, the full RL train step (`rl.update`:
 `μ`-step gradient with accumulation and the optimiser update) and the sampler (one `generate` call
-for a rollout batch), with abstract, sharded parameters: no weights are read and no TPU is needed,
-only `libtpu` (`pip install "jax[tpu]"`). Prints per-chip memory (arguments, outputs, temporaries,
+for a rollout batch; with `sampler.chunk`, a loop over chunks of it, whose memory is one chunk's),
+with abstract, sharded parameters: no weights are read and no TPU is needed, only `libtpu`
+(`pip install "jax[tpu]"`). Prints per-chip memory (arguments, outputs, temporaries,
 total against the chip's HBM) and XLA's cost estimate, and exits 1 when either program does not fit.
 With LoRA (`model.lora`, e.g. the `8b_lora` presets) the model carries the config's adapters and the
 optimiser holds their moments alone, as in training.
@@ -187,9 +188,10 @@ def check(c, devices: list, hbm_gib: float | None = None,
         decode_mesh, jax.sharding.PartitionSpec()))
   prompts = _batched((b, c.task.max_prompt_len), jnp.int32, decode_mesh)
   valid = _batched((b, c.task.max_prompt_len), bool, decode_mesh)
-  if "sampler" in programs:
+  if "sampler" in programs:  # with sampler.chunk, a loop over chunks: one chunk's memory
     results["sampler"] = _compile(lambda: jax.jit(gen, static_argnums=(4,)).lower(
         model, prompts, valid, key, sampling))
+    results["rollouts"], results["chunk"] = b, min(c.sampler.chunk or b, b)
   results["fits"] = all("error" not in results[k] and (hbm is None or results[k]["total"] <= hbm * GIB)
                         for k in programs)
   return results
@@ -215,6 +217,8 @@ def report(r: dict[str, Any]) -> str:
   hbm = f"{r['hbm_gib']:g} GiB" if r["hbm_gib"] else "unknown"
   params = f"{r['params'] / 1e9:.2f}B" if r["params"] >= 1e8 else f"{r['params'] / 1e6:.2f}M"
   decode = f" (sampler: {r['rollout_mesh']})" if "rollout_mesh" in r else ""
+  if r.get("chunk", 0) < r.get("rollouts", 0):
+    decode += f", sampler: {r['rollouts']} rollouts in chunks of {r['chunk']}"
   lines = [f"{r['chips']} x {r['device_kind']}, mesh {r['mesh']}{decode}, {params} parameters, "
            f"HBM per chip {hbm}",
            "| program | arguments | outputs | temporaries | total per chip | fits | TFLOPs (XLA) |",

@@ -232,6 +232,9 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.sampler.alg_temp = 0.0      # Dream: > 0 draws the committed slots from softmax(confidence / it)
   c.sampler.eps = 1e-3          # Dream: the last timestep of linspace(1, eps, steps + 1) (released)
   c.sampler.cfg_scale = 0.0     # LLaDA: classifier-free guidance scale (0 = none)
+  # Rollouts decoded at once: a batch of more is decoded this many at a time (`lax.scan`), with the
+  # same tokens as in one call and the sampler's memory of one chunk (0 = the whole batch at once).
+  c.sampler.chunk = 0
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 20             # RL steps between held-out evaluations

@@ -19,11 +19,25 @@ def commit_schedule(num_masked_B: Array, steps: int) -> Array:
   return n // steps + (s < n % steps).astype(jnp.int32)
 
 
-def uniforms(key: Array, step: Array, shape: tuple[int, ...]) -> tuple[Array, Array]:
-  """Two independent U(0,1) draws of `shape` for decoding step `step` (token choice, confidence)."""
-  u = jax.random.uniform(jax.random.fold_in(key, step), (2, *shape), jnp.float32,
-                         minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
-  return u[0], u[1]
+def row_keys(key: Array, rows: int) -> Array:
+  """One key per row, `[rows]`: row b's is `fold_in(key, b)`. Keys already given per row (a
+  `[rows]` key array, as a chunk of a batch is decoded) are returned as they are."""
+  if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):  # raw uint32 (`jax.random.PRNGKey`)
+    key = jax.random.wrap_key_data(key)
+  if key.ndim:
+    return key
+  return jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(rows))
+
+
+def uniforms(keys_B: Array, step: Array, shape: tuple[int, ...]) -> tuple[Array, Array]:
+  """Two independent U(0,1) draws of `shape` (`[B, ...]`) for decoding step `step` (token choice,
+  confidence): row b's from `fold_in(keys_B[b], step)`, so that no row's draws depend on the
+  batch it is decoded in."""
+  def row(k):
+    return jax.random.uniform(jax.random.fold_in(k, step), (2, *shape[1:]), jnp.float32,
+                              minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
+  u = jax.vmap(row)(keys_B)
+  return u[:, 0], u[:, 1]
 
 
 def gumbel_argmax(logits_BxLxV: Array, temperature: float, u_BxLxV: Array) -> Array:
@@ -129,10 +143,10 @@ def llada2_choose(logits_BxKxV: Array, u_BxKxV: Array, temperature: float, top_k
   return x0_BxK, jnp.take_along_axis(probs, x0_BxK[..., None], axis=-1)[..., 0]
 
 
-def choose_tokens(logits_BxKxV: Array, key: Array, step, temperature: float,
+def choose_tokens(logits_BxKxV: Array, keys_B: Array, step, temperature: float,
                   remasking: str) -> tuple[Array, Array]:
   """LLaDA's step: `(x̂, confidence)` from the block's (mask-forbidden) logits and step's draws."""
-  u_choice, u_conf = uniforms(key, step, logits_BxKxV.shape)
+  u_choice, u_conf = uniforms(keys_B, step, logits_BxKxV.shape)
   x0_BxK = gumbel_argmax(logits_BxKxV, temperature, u_choice)
   if remasking == "low_confidence":
     probs = jax.nn.softmax(logits_BxKxV.astype(jnp.float32), axis=-1)

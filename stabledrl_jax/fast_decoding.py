@@ -68,10 +68,11 @@ def _slice(x, start, size):
 
 
 def _llada_choice(sampling: LLaDASampling, mask_id: int, spb: int):
-  """LLaDA's step: `(logits, block, key, step s, step of the block i, schedule) -> commit, x̂`."""
-  def choose(logits_BxKxV, block_BxK, key, s, i, schedule_BxS):
+  """LLaDA's step: `(logits, block, row keys, step s, step of the block i, schedule) -> commit,
+  x̂`."""
+  def choose(logits_BxKxV, block_BxK, keys_B, s, i, schedule_BxS):
     still_masked = block_BxK == mask_id
-    x0_BxK, conf_BxK = decoding.choose_tokens(decoding.forbid(logits_BxKxV, mask_id), key, s,
+    x0_BxK, conf_BxK = decoding.choose_tokens(decoding.forbid(logits_BxKxV, mask_id), keys_B, s,
                                               sampling.temperature, sampling.remasking)
     if not sampling.threshold:
       k_B = schedule_BxS[:, i]
@@ -86,9 +87,9 @@ def _dream_choice(sampling: DreamSampling, mask_id: int, spb: int):
   """Dream's step (module docstring); `i` is the Python int 0 at the block's first step."""
   fractions_S = jnp.asarray(decoding.dream_fractions(spb, sampling.eps))
 
-  def choose(logits_BxKxV, block_BxK, key, s, i, _):
+  def choose(logits_BxKxV, block_BxK, keys_B, s, i, _):
     still_masked = block_BxK == mask_id
-    u_choice, u_slot = decoding.uniforms(key, s, logits_BxKxV.shape)
+    u_choice, u_slot = decoding.uniforms(keys_B, s, logits_BxKxV.shape)
     x0_BxK, conf_BxK = decoding.dream_choose_tokens(
         logits_BxKxV, u_choice, alg=sampling.alg, temperature=sampling.temperature,
         top_k=sampling.top_k, top_p=sampling.top_p)
@@ -110,6 +111,7 @@ def _generate(model, prompt_BxP, prompt_valid_BxP, key, sampling) -> Rollout:
   mask_id = cfg.mask_token_id
   stop_ids, pad_id = decoding.stop_and_pad_ids(cfg, sampling)
   b, p = prompt_BxP.shape
+  keys_B = decoding.row_keys(key, b)
   g, bl = sampling.gen_length, sampling.block_length
   num_blocks = g // bl
   spb = sampling.steps // num_blocks
@@ -158,7 +160,7 @@ def _generate(model, prompt_BxP, prompt_valid_BxP, key, sampling) -> Rollout:
   def decode(logits_BxKxV, x_BxL, when_BxL, start, s, i, schedule_BxS):
     # A slot whose x̂ is the mask token (Dream only) stays masked and keeps no commit step.
     block_BxK = _slice(x_BxL, start, bl)
-    commit, x0_BxK = choose(logits_BxKxV, block_BxK, key, s, i, schedule_BxS)
+    commit, x0_BxK = choose(logits_BxKxV, block_BxK, keys_B, s, i, schedule_BxS)
     block_BxK = jnp.where(commit, x0_BxK, block_BxK)
     when_BxK = jnp.where(commit, s, _slice(when_BxL, start, bl))
     return (jax.lax.dynamic_update_slice_in_dim(x_BxL, block_BxK, start, axis=1),

@@ -188,9 +188,9 @@ def just_grpo(c: ml_collections.ConfigDict) -> None:
   (each token's term / gen_length / the mean count of non-zero advantages, padding tokens after
   the answer included; here the per-sequence mean over counted tokens). Its reported score
   decodes greedily in blocks of 32 in 256 steps by confidence, not left to right: evaluate with
-  --config.sampler.order=confidence for that figure. Not checked: its memory fit ahead of time
-  (the RL step's passes are the `8b` preset's size; the sampler decodes all 1024 rollouts of a
-  step at once, 4x the `8b` preset's).
+  --config.sampler.order=confidence for that figure. The sampler decodes a step's 1024
+  rollouts 256 at a time (sampler.chunk, the same tokens as at once): 256 is the `8b` preset's
+  rollout batch, whose sampler fits a v5p-8 (docs/scaling_fits.md: this preset's fit there).
   """
   if c.family != "llada":
     raise ValueError(f"config preset '8b_ar' with family={c.family!r}: JustGRPO's published run "
@@ -208,6 +208,7 @@ def just_grpo(c: ml_collections.ConfigDict) -> None:
   c.optim.decay_steps = 10**6  # ~constant (see above)
   c.sampler.order, c.sampler.temperature = "left_to_right", 1.0
   c.sampler.gen_length = c.sampler.steps = 256
+  c.sampler.chunk = 256
 
 
 def dream_7b(c: ml_collections.ConfigDict) -> None:

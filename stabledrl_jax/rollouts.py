@@ -48,10 +48,12 @@ class LLaDASampling:
   cache: str        # none | prefix | dual
   threshold: float  # commit every masked token at least this confident; 0 = off
   order: str        # decoding.ORDERS: confidence (remasking's) | left_to_right
+  chunk: int  # rows decoded at once (`samplers.sampler_of`); 0 = the whole batch
   stop_ids: tuple[int, ...] = ()  # () = the model config's stop tokens
   pad_id: int | None = None       # None = the model config's pad (else eos) token
 
   def __post_init__(self):
+    _check(self.chunk >= 0, "chunk", self.chunk, "must be >= 0 (0 = the whole batch at once)")
     _check(self.gen_length >= 1, "gen_length", self.gen_length, "must be >= 1")
     _check(self.block_length >= 1 and self.gen_length % self.block_length == 0, "block_length",
            self.block_length, f"must divide sampler.gen_length={self.gen_length}")
@@ -85,7 +87,7 @@ class LLaDASampling:
     return cls(gen_length=sampler.gen_length, block_length=sampler.block_length,
                steps=sampler.steps, temperature=temperature, remasking=sampler.remasking,
                cfg_scale=sampler.cfg_scale, cache=sampler.cache, threshold=sampler.threshold,
-               order=sampler.order)
+               order=sampler.order, chunk=sampler.chunk)
 
   @property
   def fast(self) -> bool:
@@ -130,11 +132,13 @@ class SDARSampling:
   top_k: int         # 0 = all tokens
   top_p: float       # 1 = all tokens
   order: str         # decoding.ORDERS: confidence (strategy's) | left_to_right
+  chunk: int  # rows decoded at once (`samplers.sampler_of`); 0 = the whole batch
   stop_ids: tuple[int, ...] = ()  # () = the model config's stop tokens
   pad_id: int | None = None       # None = the model config's pad (else eos) token
   use_cache: bool = True  # False recomputes the whole prefix every step (the reference path)
 
   def __post_init__(self):
+    _check(self.chunk >= 0, "chunk", self.chunk, "must be >= 0 (0 = the whole batch at once)")
     _check(self.gen_length >= 1, "gen_length", self.gen_length, "must be >= 1")
     _check(self.block_length >= 1, "block_length", self.block_length, "must be >= 1")
     _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
@@ -165,7 +169,7 @@ class SDARSampling:
     return cls(gen_length=sampler.gen_length, block_length=sampler.block_length,
                steps=sampler.steps, strategy=sampler.strategy, threshold=sampler.threshold,
                temperature=temperature, top_k=sampler.top_k, top_p=sampler.top_p,
-               order=sampler.order)
+               order=sampler.order, chunk=sampler.chunk)
 
   @property
   def fast(self) -> bool:
@@ -209,11 +213,13 @@ class LLaDA2Sampling:
   temperature: float
   top_k: int         # 0 = all tokens
   top_p: float       # 1 = all tokens
+  chunk: int  # rows decoded at once (`samplers.sampler_of`); 0 = the whole batch
   stop_ids: tuple[int, ...] = ()  # () = the model config's stop tokens
   pad_id: int | None = None       # None = the model config's pad (else eos) token
   use_cache: bool = True  # False recomputes the whole prefix every step (as released)
 
   def __post_init__(self):
+    _check(self.chunk >= 0, "chunk", self.chunk, "must be >= 0 (0 = the whole batch at once)")
     _check(self.gen_length >= 1, "gen_length", self.gen_length, "must be >= 1")
     _check(self.block_length >= 1, "block_length", self.block_length, "must be >= 1")
     _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
@@ -232,7 +238,7 @@ class LLaDA2Sampling:
     return cls(gen_length=sampler.gen_length, block_length=sampler.block_length,
                steps=sampler.steps, minimal_topk=sampler.minimal_topk,
                threshold=sampler.threshold, temperature=temperature, top_k=sampler.top_k,
-               top_p=sampler.top_p)
+               top_p=sampler.top_p, chunk=sampler.chunk)
 
   @property
   def steps_per_block(self) -> int:
@@ -276,10 +282,12 @@ class DreamSampling:
   block_length: int  # the fast decoder's blocks
   cache: str         # none | prefix | dual
   threshold: float   # commit every masked token of the block at least this probable; 0 = off
+  chunk: int  # rows decoded at once (`samplers.sampler_of`); 0 = the whole batch
   stop_ids: tuple[int, ...] = ()  # () = the model config's stop tokens
   pad_id: int | None = None       # None = the model config's pad (else eos) token
 
   def __post_init__(self):
+    _check(self.chunk >= 0, "chunk", self.chunk, "must be >= 0 (0 = the whole batch at once)")
     _check(self.gen_length >= 1, "gen_length", self.gen_length, "must be >= 1")
     _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
     _check(self.alg in decoding.DREAM_ALGS, "alg", self.alg,
@@ -320,7 +328,7 @@ class DreamSampling:
     return cls(gen_length=sampler.gen_length, steps=sampler.steps, alg=sampler.alg,
                alg_temp=sampler.alg_temp, eps=sampler.eps, temperature=temperature,
                top_k=sampler.top_k, top_p=sampler.top_p, block_length=sampler.block_length,
-               cache=sampler.cache, threshold=sampler.threshold)
+               cache=sampler.cache, threshold=sampler.threshold, chunk=sampler.chunk)
 
   @property
   def fast(self) -> bool:

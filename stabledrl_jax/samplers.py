@@ -11,15 +11,20 @@ Dream's settings ask for it) and places the batch on the model's mesh.
 LLaDA and SDAR never choose the mask token (its logit is set to -inf before the choice). Dream's
 released sampler does not exclude it: a slot that draws it stays masked and is drawn again.
 
-Random numbers. The draw for decoding step `s` (counted from 0 across all blocks) comes from
-`jax.random.fold_in(key, s)`, shaped like the current block's logits `[B, block, V]` (its first
-half for the token choice, see `decoding.uniforms`), so a reference loop can reproduce every draw.
-Dream's block is the whole generated region `[B, gen_length, V]`; the first entry of the second
-half along the vocabulary, `[B, gen_length]`, is its per-slot draw (`origin`'s commit test, the
-Gumbel keys of `alg_temp`).
+Random numbers. Row `b`'s draw for decoding step `s` comes from
+`jax.random.fold_in(jax.random.fold_in(key, b), s)`, shaped like the row's current block of
+logits `[block, V]` (its first half for the token choice, see `decoding.uniforms`), so a reference
+loop can reproduce every draw, and a row decodes the same tokens in any batch at the same row
+index: `sampler.chunk` decodes a batch a chunk of rows at a time with exactly the tokens of one
+call. LLaDA's and Dream's steps count from 0 across all blocks; SDAR's step `i` of block `j` is
+`s = j * steps + i` (its blocks end when their rows do, so a running count would depend on the
+batch). Dream's block is the whole generated region `[gen_length, V]`; the first entry of the
+second half along the vocabulary, `[gen_length]`, is its per-slot draw (`origin`'s commit test,
+the Gumbel keys of `alg_temp`).
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
@@ -55,12 +60,43 @@ def generate(model: nnx.Module, prompt_ids_BxP, prompt_mask_BxP, key: Array, sam
 
 
 def sampler_of(sampling):
-  """The family's sampler function for `sampling`'s type (`rollouts.SAMPLINGS`)."""
+  """The family's sampler function for `sampling`'s type (`rollouts.SAMPLINGS`), decoding
+  `sampling.chunk` rows at a time where that is set (`decode_in_chunks`)."""
   if isinstance(sampling, LLaDASampling):
-    return llada_generate
-  if isinstance(sampling, DreamSampling):
-    return dream_generate
-  return sdar_generate  # SDAR's block decoding, or LLaDA2.0's variant of it
+    fn = llada_generate
+  elif isinstance(sampling, DreamSampling):
+    fn = dream_generate
+  else:
+    fn = sdar_generate  # SDAR's block decoding, or LLaDA2.0's variant of it
+  return functools.partial(decode_in_chunks, fn) if sampling.chunk else fn
+
+
+@nnx.jit(static_argnames=("fn", "sampling"))
+def decode_in_chunks(fn, model, prompt_BxP, prompt_valid_BxP, key, sampling) -> Rollout:
+  """`fn`'s rollouts decoded `sampling.chunk` rows at a time in a `lax.scan`: one chunk's memory,
+  and the tokens of one call (each row's draws come from its own key, `decoding.row_keys`).
+  Chunk `i` of `n` holds rows `i, i + n, i + 2n, ...` (the batch padded with copies of its first
+  row to a multiple of the chunk), so that each chunk is spread over the devices as the batch is.
+  The forwards a row is counted are its chunk's."""
+  b, c = prompt_BxP.shape[0], sampling.chunk
+  if b <= c:
+    return fn(model, prompt_BxP, prompt_valid_BxP, key, sampling)
+  n = -(-b // c)
+  mesh = jax.typeof(prompt_BxP).sharding.mesh  # abstract inside jit
+
+  def split(x_B):  # [B, ...] -> [n, c, ...]; chunk i is rows i, i + n, ...
+    x_B = jnp.concatenate([x_B, jnp.broadcast_to(x_B[:1], (n * c - b, *x_B.shape[1:]))])
+    return jnp.swapaxes(x_B.reshape(c, n, *x_B.shape[1:]), 0, 1)
+
+  graphdef, state = nnx.split(model)
+
+  def one(state, chunk):  # the weights ride in the carry: the model is built in the loop's trace
+    ids_CxP, valid_CxP, keys_C = sharding.constrain_batch(chunk, mesh)
+    return state, fn(nnx.merge(graphdef, state), ids_CxP, valid_CxP, keys_C, sampling)
+
+  _, out = jax.lax.scan(one, state, (split(prompt_BxP), split(prompt_valid_BxP),
+                                     split(decoding.row_keys(key, b))))
+  return jax.tree.map(lambda y: jnp.swapaxes(y, 0, 1).reshape(n * c, *y.shape[2:])[:b], out)
 
 
 @jax.jit
@@ -110,6 +146,7 @@ def _llada_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: LLaDASam
   mask_id = cfg.mask_token_id
   stop_ids, pad_id = decoding.stop_and_pad_ids(cfg, sampling)
   b, p = prompt_BxP.shape
+  keys_B = decoding.row_keys(key, b)
   g, bl = sampling.gen_length, sampling.block_length
   steps_per_block = sampling.steps // (g // bl)
   tokens, positions, valid, prompt_mask = rollouts.llada_layout(prompt_BxP, prompt_valid_BxP, g, mask_id)
@@ -138,7 +175,7 @@ def _llada_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: LLaDASam
                              decoding.commit_schedule(jnp.sum(still_masked, -1), steps_per_block),
                              schedule_BxS)
     logits_BxKxV = decoding.forbid(block_logits(x_BxL, start), mask_id)
-    x0_BxK, conf_BxK = decoding.choose_tokens(logits_BxKxV, key, s, sampling.temperature,
+    x0_BxK, conf_BxK = decoding.choose_tokens(logits_BxKxV, keys_B, s, sampling.temperature,
                                               sampling.remasking)
     k_B = schedule_BxS[:, s % steps_per_block]
     commit = decoding.select_top_k(decoding.order_scores(conf_BxK, sampling.order), still_masked,
@@ -193,6 +230,7 @@ def _sdar_generate(model, prompt_BxP, prompt_valid_BxP, key,
   stop_ids, pad_id = decoding.stop_and_pad_ids(cfg, sampling)
   stop_arr = jnp.asarray(stop_ids, jnp.int32)
   b = prompt_BxP.shape[0]
+  keys_B = decoding.row_keys(key, b)
   tokens, positions, valid, prompt_mask, generated, first_block, num_blocks = rollouts.sdar_layout(
       prompt_BxP, prompt_valid_BxP, sampling.gen_length, bs, mask_id)
   t = tokens.shape[1]
@@ -235,7 +273,7 @@ def _sdar_generate(model, prompt_BxP, prompt_valid_BxP, key,
     probs = jax.nn.softmax(logits, axis=-1)
     return x0, jnp.take_along_axis(probs, x0[..., None], axis=-1)[..., 0]
 
-  def denoise_block(j, x_BxL, when_BxL, cache, active_B, step0):
+  def denoise_block(j, x_BxL, when_BxL, cache, active_B):
     blk_gen = slice_block(denoised, j) & active_B[:, None]
     # LLaDA2.0 schedules the whole block; SDAR its masked slots.
     to_commit_B = (jnp.where(active_B, bs, 0) if released
@@ -251,13 +289,13 @@ def _sdar_generate(model, prompt_BxP, prompt_valid_BxP, key,
       blk = slice_block(x, j)
       still_masked = (blk == mask_id) & blk_gen
       logits = block_logits(x, j, cache)
-      u_choice, _ = decoding.uniforms(key, step0 + n, logits.shape)
+      u_choice, _ = decoding.uniforms(keys_B, j * steps + s, logits.shape)
       x0, conf = choose(logits, u_choice)
       order = "confidence" if released else sampling.order
       commit = decoding.confident_commit(decoding.order_scores(conf, order), still_masked,
                                          schedule_BxS[:, s], sampling.threshold, strict=True)
       blk = jnp.where(commit, x0, blk)
-      when_blk = jnp.where(commit, step0 + n, slice_block(when, j))
+      when_blk = jnp.where(commit, j * steps + s, slice_block(when, j))
       return (jax.lax.dynamic_update_slice_in_dim(x, blk, j * bs, axis=1),
               jax.lax.dynamic_update_slice_in_dim(when, when_blk, j * bs, axis=1), s + 1, n + 1)
 
@@ -267,7 +305,7 @@ def _sdar_generate(model, prompt_BxP, prompt_valid_BxP, key,
 
   def block_step(c):
     x, when, j, cache, active_B, step0 = c
-    x, when, used = denoise_block(j, x, when, cache, active_B, step0)
+    x, when, used = denoise_block(j, x, when, cache, active_B)
     if sampling.use_cache:
       _, cache = model.cached_logits(slice_block(x, j), cache, positions_BxT=slice_block(positions, j),
                                      commit=True, block_size=bs, valid_BxT=slice_block(attended, j))
@@ -327,6 +365,7 @@ def _dream_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: DreamSam
   mask_id = cfg.mask_token_id
   stop_ids, pad_id = decoding.stop_and_pad_ids(cfg, sampling)
   b, p = prompt_BxP.shape
+  keys_B = decoding.row_keys(key, b)
   g = sampling.gen_length
   tokens, positions, valid, prompt_mask = rollouts.llada_layout(prompt_BxP, prompt_valid_BxP, g,
                                                                 mask_id)
@@ -338,7 +377,7 @@ def _dream_generate(model, prompt_BxP, prompt_valid_BxP, key, sampling: DreamSam
     logits_BxGxV = model.head_logits(h[:, p:])  # the head on the generated slots only
     gen_BxG, when_BxG = x_BxL[:, p:], when_BxL[:, p:]
     masked_BxG = gen_BxG == mask_id
-    u_choice, u_slot = decoding.uniforms(key, s, logits_BxGxV.shape)
+    u_choice, u_slot = decoding.uniforms(keys_B, s, logits_BxGxV.shape)
     x0_BxG, conf_BxG = decoding.dream_choose_tokens(
         logits_BxGxV, u_choice, alg=sampling.alg, temperature=sampling.temperature,
         top_k=sampling.top_k, top_p=sampling.top_p)

@@ -93,3 +93,14 @@ def test_dream_compiles_its_step_and_sampler_and_its_7b_shapes_are_the_release()
   assert result["fits"] and result["rl_step"]["total"] > 0 and result["sampler"]["total"] > 0
   big = config_lib.config("dream", "7b")  # a checkpoint path not on this host: the preset's shapes
   assert aot.model_config(big) == models.dream_7b(compute_dtype="bfloat16", remat=True)
+
+
+def test_a_sampler_chunk_bounds_the_samplers_memory():
+  c = config_lib.base_config("llada")
+  config_lib.apply_preset(c, "smoke")  # 16 rollouts
+  whole = aot.check(c, jax.devices("cpu")[:1], programs=("sampler",))
+  c.sampler.chunk = 4
+  chunked = aot.check(c, jax.devices("cpu")[:1], programs=("sampler",))
+  # The decode's buffers are of 4 rows, not 16; what stays is the weights and the 16 rows' output.
+  assert chunked["sampler"]["temporaries"] < 0.5 * whole["sampler"]["temporaries"]
+  assert "sampler: 16 rollouts in chunks of 4" in aot.report(chunked)

@@ -65,23 +65,23 @@ def test_two_processes_train_and_match_one_process_on_as_many_devices(tmp_path, 
 PREEMPTED = "preempted at step {}: saved; rerun the same command to resume"
 
 
-def start_processes(workdir, cache):
-  """The launcher's two processes, started here so that a test can signal one of them."""
+def start_processes(workdir, cache, popen=subprocess.Popen, env=None):
+  """The launcher's two processes, started here (with `popen`) so that a test can signal one."""
   sys.path.insert(0, str(REPO / "launch"))
   import local
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+  env = {**(env or os.environ), "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
          # the reruns load the first run's programs instead of compiling them again
          "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
-  return [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
+  return [popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
           for cmd in local.commands(2, local.free_port(), 30, [f"--config={SMOKE}", f"--workdir={workdir}"])]
 
 
-def signal_at(procs, workdir, step, signum, victim):
-  """Send `signum` to process `victim` once step `step`'s metrics are written; both processes'
-  stdout once they have exited, which must be with code 0."""
-  path, deadline = workdir / "metrics.jsonl", time.time() + 300
+def signal_at(procs, metrics_dir, step, signum, victim):
+  """Send `signum` to process `victim` once step `step`'s metrics are in `metrics_dir`; both
+  processes' stdout once they have exited, which must be with code 0."""
+  path, deadline = metrics_dir / "metrics.jsonl", time.time() + 600
   while not any(r["step"] >= step for r in read_jsonl_if(path)):
     assert all(p.poll() is None for p in procs) and time.time() < deadline, procs[0].stderr.read()[-3000:]
     time.sleep(0.02)
@@ -116,6 +116,25 @@ def test_a_signalled_process_makes_both_save_one_step_and_exit_0_and_the_reruns_
   assert strip_timing(read_jsonl(run / "metrics.jsonl")) == strip_timing(want)
   assert (strip_timing(read_jsonl(run / "eval.jsonl"))
           == strip_timing(read_jsonl(two_processes[0] / "eval.jsonl")))
+
+
+@pytest.mark.slow
+def test_a_preempted_run_on_a_bucket_saves_there_and_the_rerun_resumes_from_it(tmp_path, two_processes):
+  # SIGTERM to process 1 mid-RL, the workdir gs://bkt/run on the Cloud Storage emulator.
+  from tests import gcs_emulator
+  want, cache = read_jsonl(two_processes[0] / "metrics.jsonl"), tmp_path / "xla"
+  with gcs_emulator.running() as gcs:
+    run = gcs.objects / "run"  # what the server stores: the bucket's objects as files
+    start = lambda: start_processes(gcs.url("run"), cache, popen=gcs.popen, env=gcs.env)
+    out = signal_at(start(), run, 7, signal.SIGTERM, victim=1)
+    step = max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    assert 7 <= step < 11 and out.count(PREEMPTED.format(step)) == 1, out
+    procs = start()
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:]
+    assert f"at step {step + 1}/12" in outs[0][0]
+    assert strip_timing(read_jsonl(run / "metrics.jsonl")) == strip_timing(want)
+  assert not (REPO / "gs:").exists()
 
 
 @pytest.mark.slow

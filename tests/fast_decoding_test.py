@@ -92,9 +92,7 @@ def np_forward(model, ids_BxN, pos_BxN, attend):
 
 
 def draws(key, step, shape):
-  u = jax.random.uniform(jax.random.fold_in(key, step), (2, *shape), jnp.float32,
-                         minval=np.finfo(np.float32).tiny, maxval=1.0)
-  return np.asarray(u[0], np.float64)
+  return samplers_test.draws(key, step, shape)[0]
 
 
 def block_logits(model, rows, pos, ok, lo, hi, cache, cached, shift=lambda logits: logits):

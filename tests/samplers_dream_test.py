@@ -137,10 +137,10 @@ def test_matches_the_released_loop_with_the_same_draws(model, sampling, alg, gen
   got = samplers.generate(model, ids, valid, key, sampling(**kw))
   want = dream_reference(model, ids, valid, key, **kw)
   np.testing.assert_array_equal(got.completion_BxC, want)
-  # Every slot was committed at some step (no mask token drawn here), each by the step that
-  # `commit_step_BxL` records.
+  # Every decoded slot records the step that committed it; a slot left holding the mask token (its
+  # last step drew it) records none.
   when = np.asarray(got.commit_step_BxL)[:, ids.shape[1]:]
-  assert (want != MASK).all() and (when >= 0).all() and (when < steps).all()
+  assert (want != MASK).mean() > 0.9 and ((when >= 0) & (when < steps) == (want != MASK)).all()
 
 
 def test_the_cases_are_not_vacuous(model, sampling):

@@ -14,8 +14,8 @@ BS, GEN = 4, 8
 
 def np_generate(model, prompt, key, *, steps, minimal_topk=1, threshold=0.0, temperature=0.0,
                 top_k=0, top_p=1.0, eos=None):
-  """The released routine for one prompt (threshold 0: off). Draws: `decoding.uniforms` of the
-  step counted across blocks (the samplers' contract), used as Gumbel noise."""
+  """The released routine for one prompt (threshold 0: off). Draws: `decoding.uniforms` of row 0
+  at step `blk * steps + s` (the samplers' contract), used as Gumbel noise."""
   mask = model.config.mask_token_id
   steps = min(steps, GEN // minimal_topk)
   p = len(prompt)
@@ -23,7 +23,6 @@ def np_generate(model, prompt, key, *, steps, minimal_topk=1, threshold=0.0, tem
   x = np.full(blocks * BS, mask)
   x[:p] = prompt
   schedule = [BS // steps + (i < BS % steps) for i in range(steps)]
-  n = 0
   for blk in range(p // BS, blocks):
     end = (blk + 1) * BS
     pos = np.arange(end)
@@ -33,8 +32,8 @@ def np_generate(model, prompt, key, *, steps, minimal_topk=1, threshold=0.0, tem
       if not active.any():
         break
       logits = reference_logits(model, x[None, :end], allowed)[0, -BS:]
-      u = np.asarray(decoding.uniforms(key, n, (1, BS, logits.shape[-1]))[0][0], np.float64)
-      n += 1
+      u = np.asarray(decoding.uniforms(decoding.row_keys(key, 1), blk * steps + s,
+                                       (1, BS, logits.shape[-1]))[0][0], np.float64)
       if temperature == 0 and not top_k and top_p >= 1:
         x0 = logits.argmax(-1)
         probs = np.exp(logits - logits.max(-1, keepdims=True))
@@ -80,7 +79,8 @@ def _run(model, prompts, key, **kw):
   sampling = rollouts.LLaDA2Sampling(
       gen_length=GEN, block_length=BS, steps=kw.pop("steps"), minimal_topk=kw.pop("minimal_topk", 1),
       threshold=kw.pop("threshold", 0.0), temperature=kw.pop("temperature", 0.0),
-      top_k=kw.pop("top_k", 0), top_p=kw.pop("top_p", 1.0), stop_ids=kw.pop("stop_ids", (999,)),
+      top_k=kw.pop("top_k", 0), top_p=kw.pop("top_p", 1.0), chunk=0,
+      stop_ids=kw.pop("stop_ids", (999,)),
       pad_id=0, **kw)
   r = samplers.generate(model, ids, valid, key, sampling)
   return [np.asarray(r.completion_BxC[i][:int(r.lengths_B[i])]) for i in range(len(prompts))]
@@ -129,4 +129,4 @@ def test_temperature_zero_with_a_filter_draws_at_temperature_one():
 def test_bad_sampler_settings_name_the_key():
   with pytest.raises(ValueError, match="minimal_topk=9"):
     rollouts.LLaDA2Sampling(gen_length=8, block_length=4, steps=4, minimal_topk=9, threshold=0.0,
-                            temperature=0.0, top_k=0, top_p=1.0)
+                            temperature=0.0, top_k=0, top_p=1.0, chunk=0)

@@ -1,10 +1,12 @@
 """Samplers against slow reference loops written here from docs/method.md §5, one model call per step."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from stabledrl_jax import models, samplers
+from stabledrl_jax import config_lib, models, rollouts, samplers
 
 MASK = 127
 
@@ -31,10 +33,12 @@ def left_pad(prompts, pad=0, width=None):
 
 
 def draws(key, step, shape):
-  """The sampler's documented random-number contract, restated."""
-  u = jax.random.uniform(jax.random.fold_in(key, step), (2, *shape), jnp.float32,
-                         minval=np.finfo(np.float32).tiny, maxval=1.0)
-  return np.asarray(u[0], np.float64), np.asarray(u[1], np.float64)
+  """The sampler's documented random-number contract, restated: row b's draws of step `step`,
+  shaped like its block `shape[1:]`, from `fold_in(fold_in(key, b), step)`."""
+  u = np.stack([jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, b), step),
+                                   (2, *shape[1:]), jnp.float32, minval=np.finfo(np.float32).tiny,
+                                   maxval=1.0) for b in range(shape[0])], axis=1)
+  return u[0].astype(np.float64), u[1].astype(np.float64)
 
 
 def np_softmax(x):
@@ -232,7 +236,6 @@ def test_sdar_sampling_matches_reference_with_the_same_draws(sdar_model, sdar_sa
   s = sdar_sampling(gen_length=11, steps=steps, temperature=temp, top_k=top_k, stop_ids=(1000,))
   got = np.asarray(samplers.sdar_generate(sdar_model, ids, valid, key, s).completion_BxC)
   x = np.concatenate([np.asarray(ids), np.full((2, 11), MASK)], 1)
-  n_step = 0
   for j in range(5 // bs, (16 - 1) // bs + 1):
     lo, hi = j * bs, min((j + 1) * bs, 16)
     counts = [schedule(int((x[r, lo:hi] == MASK).sum()), steps) for r in range(2)]
@@ -244,14 +247,13 @@ def test_sdar_sampling_matches_reference_with_the_same_draws(sdar_model, sdar_sa
       logits[..., MASK] = -np.inf
       kth = np.sort(logits, -1)[..., -top_k][..., None]
       logits = np.where(logits < kth, -np.inf, logits)
-      u, _ = draws(key, n_step, (2, bs, logits.shape[-1]))
+      u, _ = draws(key, j * steps + i, (2, bs, logits.shape[-1]))
       u = u[:, :hi - lo]
       x0 = (logits - np.log(-np.log(u))).argmax(-1)
       conf = np.take_along_axis(np_softmax(logits), x0[..., None], -1)[..., 0]
       for r in range(2):
         commit = top_k_commit(conf[r], x[r, lo:hi] == MASK, counts[r][i])
         x[r, lo:hi] = np.where(commit, x0[r], x[r, lo:hi])
-      n_step += 1
   np.testing.assert_array_equal(got, x[:, 5:])
 
 
@@ -260,8 +262,8 @@ def test_sdar_commit_counts_follow_schedule(sdar_model, sdar_sampling):
   s = sdar_sampling(gen_length=12, steps=3, temperature=1.0, stop_ids=(1000,))
   r = samplers.sdar_generate(sdar_model, ids, valid, jax.random.key(2), s)
   when = np.asarray(r.commit_step_BxL)[:, 4:16]
-  for row in when:  # 3 blocks of 4 masks over 3 steps each: 2, 1, 1
-    np.testing.assert_array_equal([int((row == st).sum()) for st in range(9)], [2, 1, 1] * 3)
+  for row in when:  # blocks 1-3 (the prompt fills block 0), 4 masks over 3 steps each: 2, 1, 1
+    np.testing.assert_array_equal([int((row == st).sum()) for st in range(3, 12)], [2, 1, 1] * 3)
 
 
 def test_samplers_run_sharded_over_the_batch(sdar_model, sdar_sampling):
@@ -274,3 +276,31 @@ def test_samplers_run_sharded_over_the_batch(sdar_model, sdar_sampling):
   sharded = samplers.sdar_generate(sdar_model, jax.device_put(ids, rows), jax.device_put(valid, rows),
                                    jax.random.key(0), s)
   np.testing.assert_array_equal(sharded.tokens_BxL, plain.tokens_BxL)
+
+
+# ----------------------------------------------------------------------------- chunks
+
+
+@pytest.mark.parametrize("family,changes", [
+    ("llada", dict(remasking="random", cfg_scale=1.0)),
+    ("llada", dict(cache="dual", threshold=0.2, steps=16)),
+    ("sdar", dict(strategy="low_confidence_dynamic", threshold=0.2, top_k=20)),
+    ("dream", dict(alg="origin", steps=8)),
+    ("dream", dict(alg="maskgit_plus", cache="dual", threshold=0.2, steps=8)),
+], ids=["llada", "llada_dual_threshold", "sdar_dynamic", "dream", "dream_dual_threshold"])
+def test_chunks_of_rows_decode_the_tokens_of_one_call(family, changes):
+  # 7 rows in chunks of 3 (the last padded): every row's tokens and commit steps as in one call,
+  # sampling at temperature 0.9, where a row's draws decide its tokens.
+  model = models.create(models.tiny(**models.family_options(family)), seed=6)
+  config = config_lib.base_config(family)
+  config.sampler.gen_length, config.sampler.block_length = 16, 4
+  base = rollouts.sampling_from_config(config, 0.9)
+  sampling = dataclasses.replace(base, stop_ids=(1000,), **changes)
+  ids, valid = left_pad([[5, 6, 7], [8, 9, 10, 11, 12], [13], [14, 15], [16, 17, 18, 19], [20], [21, 22]])
+  key = jax.random.key(7)
+  whole = samplers.sampler_of(sampling)(model, ids, valid, key, sampling)
+  chunked = dataclasses.replace(sampling, chunk=3)
+  parts = samplers.sampler_of(chunked)(model, ids, valid, key, chunked)
+  np.testing.assert_array_equal(parts.tokens_BxL, whole.tokens_BxL)
+  np.testing.assert_array_equal(parts.commit_step_BxL, whole.commit_step_BxL)
+  assert len(np.unique(np.asarray(whole.completion_BxC), axis=0)) == 7  # the draws differ by row
