@@ -190,7 +190,7 @@ def just_grpo(c: ml_collections.ConfigDict) -> None:
   decodes greedily in blocks of 32 in 256 steps by confidence, not left to right: evaluate with
   --config.sampler.order=confidence for that figure. The sampler decodes a step's 1024
   rollouts 256 at a time (sampler.chunk, the same tokens as at once): 256 is the `8b` preset's
-  rollout batch, whose sampler fits a v5p-8 (docs/scaling_fits.md: this preset's fit there).
+  rollout batch; the preset fits a v5p-8 as it is (docs/scaling_fits.md).
   """
   if c.family != "llada":
     raise ValueError(f"config preset '8b_ar' with family={c.family!r}: JustGRPO's published run "
