@@ -11,7 +11,7 @@ r"""StableDRL on a full-attention masked diffusion (LLaDA) model.
   # (8b_official: 16) (docs/training.md, flags per accelerator)
   # 8b_lora: the 8b run training LoRA adapters alone (d1's r=128, alpha 64, dropout 0.05,
   # lr 3e-6); it exports WORKDIR/hf (merged) and WORKDIR/hf_adapter (PEFT). It fits a v6e-4 with
-  # --config.sampler.cache=none, a v5e-8 with --config.rl.accumulation=16 --config.sampler.cache=none
+  # --config.sampler.chunk=128, a v5e-8 with --config.rl.accumulation=16 --config.sampler.chunk=64
   python -m stabledrl_jax.main --config=configs/llada.py:8b_ar ...  # JustGRPO; 8b's flags
 
 Override any key with --config.a.b=value (e.g. --config.rl.objective=grpo). The presets are in
