@@ -99,7 +99,7 @@ def llada2(c: ml_collections.ConfigDict, preset: str) -> None:
   checkpoint presets' shared settings (StableDRL's GSM8K run). Rollouts decode as the released
   `generate` defaults (modeling_llada2_moe.py): blocks of 32, 32 steps a block, every masked
   token above 0.95 committed (at least the scheduled count); the expert router frozen
-  (model.train_router). Not checked: the memory fit (BUILD.md has no LLaDA2.0 row)."""
+  (model.train_router). Not checked: the memory fit (docs/scaling.md has no LLaDA2.0 row)."""
   c.model.preset = "llada2_mini" if preset == "mini" else "llada2_flash"
   c.model.moe_impl = "ragged_dot"  # grouped kernels of the accelerators
   c.sampler.block_length, c.sampler.steps = 32, 32
