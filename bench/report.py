@@ -320,10 +320,10 @@ def modules_reference() -> str:
   tests = {name: _imports(os.path.join(REPO, "tests", name))
            for name in sorted(os.listdir(os.path.join(REPO, "tests"))) if name.endswith("_test.py")}
   out = ["# Modules", "", GENERATED.strip(), "",
-         "Each module of the package, the first sentence of its docstring, its size and the test "
+         "Each module of the package, the first sentence of its docstring and the test "
          "files that import it (`tests/<module>_test.py` first when there is one). The design: "
-         "[architecture.md](../architecture.md).", "", "| module | what it is | lines | tests |",
-         "|---|---|---:|---|"]
+         "[architecture.md](../architecture.md).", "", "| module | what it is | tests |",
+         "|---|---|---|"]
   for folder, _, files in sorted(os.walk(package)):
     for name in sorted(files):
       if not name.endswith(".py") or name == "__init__.py" and folder == package:
@@ -344,7 +344,7 @@ def modules_reference() -> str:
       users = ([own] if own in tests else []) + users
       listed = ", ".join(f"`{t}`" for t in users[:6]) + (f" and {len(users) - 6} more"
                                                          if len(users) > 6 else "")
-      out.append(f"| [`{rel}`](../../{rel}) | {cell(first)} | {text.count(chr(10))} | "
+      out.append(f"| [`{rel}`](../../{rel}) | {cell(first)} | "
                  f"{listed or 'none'} |")
   return "\n".join(out) + "\n"
 
