@@ -6,8 +6,8 @@
 #   launch/tpu.sh sdrl-llada us-east5-a v5p-8 --config=configs/llada.py:8b \
 #       --config.model.checkpoint=/mnt/ckpt/LLaDA-8B-Instruct --workdir=gs://BUCKET/runs/llada8b
 #
-# The workdir must be on storage every worker sees (a gs:// path); so must the checkpoint (copy it
-# to each worker, or mount a bucket). JAX finds the coordinator and the worker ids itself on
+# The workdir must be on storage every worker sees (a gs:// path); so must the checkpoint (a gs://
+# path too: each process reads only its own slices; docs/storage.md). JAX finds the coordinator and the worker ids itself on
 # Cloud TPU. Rerunning the same command resumes (an existing queued resource is reused).
 # Environment: RUNTIME (TPU software version, default v2-alpha-tpuv5 for v5p, v2-alpha-tpuv6e for
 # v6e), SPOT=1 for spot capacity, DRY_RUN=1 to print the gcloud commands instead of running them.
