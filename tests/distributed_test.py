@@ -2,6 +2,7 @@
 against a single process on 4 devices, preemption and resumption, a dead process, and the cluster
 scripts."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -119,25 +120,6 @@ def test_a_signalled_process_makes_both_save_one_step_and_exit_0_and_the_reruns_
 
 
 @pytest.mark.slow
-def test_a_preempted_run_on_a_bucket_saves_there_and_the_rerun_resumes_from_it(tmp_path, two_processes):
-  # SIGTERM to process 1 mid-RL, the workdir gs://bkt/run on the Cloud Storage emulator.
-  from tests import gcs_emulator
-  want, cache = read_jsonl(two_processes[0] / "metrics.jsonl"), tmp_path / "xla"
-  with gcs_emulator.running() as gcs:
-    run = gcs.objects / "run"  # what the server stores: the bucket's objects as files
-    start = lambda: start_processes(gcs.url("run"), cache, popen=gcs.popen, env=gcs.env)
-    out = signal_at(start(), run, 7, signal.SIGTERM, victim=1)
-    step = max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
-    assert 7 <= step < 11 and out.count(PREEMPTED.format(step)) == 1, out
-    procs = start()
-    outs = [p.communicate(timeout=600) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:]
-    assert f"at step {step + 1}/12" in outs[0][0]
-    assert strip_timing(read_jsonl(run / "metrics.jsonl")) == strip_timing(want)
-  assert not (REPO / "gs:").exists()
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("victim", [0, 1], ids=["coordinator_dies", "worker_dies"])
 def test_when_a_process_dies_the_other_stops_with_an_error_in_bounded_time(tmp_path, victim):
   sys.path.insert(0, str(REPO / "launch"))
@@ -158,7 +140,10 @@ def test_when_a_process_dies_the_other_stops_with_an_error_in_bounded_time(tmp_p
     _, err = survivor.communicate(timeout=120)
     assert survivor.returncode != 0
     assert time.time() - killed_at < 60  # heartbeat timeout 5 s, plus polling
-    assert "another task died" in err
+    # The coordination service's heartbeat names it, or, when the survivor was mid-collective,
+    # gloo's transport does first; either way one line, in bounded time.
+    assert re.search(r"another task died|Connection reset by peer|Connection closed by peer", err), err
+    assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1, err
   finally:
     for p in procs:
       if p.poll() is None:

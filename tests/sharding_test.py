@@ -9,7 +9,8 @@ import optax
 import pytest
 from flax import nnx
 
-from stabledrl_jax import build, config_lib, models, rl, rollouts, samplers, sharding, train
+from stabledrl_jax import (build, config_lib, models, objectives, rl, rollouts, samplers, sharding,
+                           train)
 
 
 def test_mesh_shape_resolves_minus_one_and_names_bad_axes():
@@ -110,7 +111,7 @@ def _one_step(c, model, seqs, adv, mesh):
   # Plain SGD: the update is linear in the gradient, so parameters compare to float tolerance
   # (Adam's first step, g/|g|, would turn rounding in near-zero gradients into whole steps).
   opt = nnx.Optimizer(model, optax.chain(optax.sgd(1.0)), wrt=nnx.Param)
-  obj = rl.Objective.from_config(c)
+  obj = objectives.Objective.from_config(c)
   obj = dataclasses.replace(obj, group_size=8, scheme="block_t", num_samples=2)
   batch, _ = rl.behaviour_pass(model, None, seqs, adv, jax.random.key(1), obj)
   out = rl.update(model, opt, batch, jax.random.key(2), obj=obj, accumulation=2)
@@ -123,7 +124,7 @@ def _one_step(c, model, seqs, adv, mesh):
 def test_one_training_step_matches_a_single_device_on_every_mesh():
   c, model, seqs, adv = _tiny_setup()
   want = _one_step(c, model, seqs, adv, None)
-  for sizes in ({"data": 8}, {"fsdp": 8}, {"tensor": 8}, {"data": 2, "fsdp": 2, "tensor": 2}):
+  for sizes in ({"tensor": 8}, {"data": 2, "fsdp": 2, "tensor": 2}):  # every axis, and 8 ways
     got = _one_step(c, model, seqs, adv, sharding.make_mesh(sizes))
     np.testing.assert_allclose(got[:3], want[:3], rtol=2e-5, atol=1e-6, err_msg=str(sizes))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6,
@@ -146,7 +147,7 @@ def test_each_device_attends_over_its_share_of_a_micro_batch(accumulation):
   model = aot.abstract_model(cfg, mesh)
   opt = aot.abstract_optimizer(model, optim.make_optimizer(1e-3, 0, 10, c.optim), mesh)
   batch = aot.rl_batch_shapes(c, cfg, mesh)
-  obj = rl.Objective.from_config(c)
+  obj = objectives.Objective.from_config(c)
   key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype)
   hlo = rl.update.lower(model, opt, batch, key, obj=obj, accumulation=accumulation).compile().as_text()
   rows = batch.seqs.tokens_BxL.shape[0] * c.rl.num_samples // accumulation  # sequences per micro-batch
