@@ -68,8 +68,9 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.flatten_util import ravel_pytree  # noqa: E402
 
-from stabledrl_jax import (build, checkpointing, cli, config_lib, estimators,  # noqa: E402
-                           likelihood, losses, metrics, rl, rollouts, samplers, workdir_config)
+from stabledrl_jax import (build, checkpointing, cli, config_lib, dynamic_sampling,  # noqa: E402
+                           estimators, likelihood, losses, metrics, rollouts, samplers,
+                           workdir_config)
 from stabledrl_jax.tasks import pipeline  # noqa: E402
 
 FAMILIES = ("llada", "sdar")
@@ -310,7 +311,8 @@ def policy_rollouts(policy: Policy, model, prompts: int, key, smoke: bool):
   mask = np.repeat(enc["prompt_mask_BxP"], g, 0)
   rollout = samplers.generate(model, ids, mask, key,
                               rollouts.sampling_from_config(c, c.sampler.temperature))
-  rewards = rl.score(data.tokenizer, rollout, [e for e in exs for _ in range(g)], data.reward_fn)
+  rewards = dynamic_sampling.score(data.tokenizer, rollout, [e for e in exs for _ in range(g)],
+                                   data.reward_fn)
   mean_reward = float(np.mean(rewards))
   if smoke:
     rewards, mean_reward = np.random.default_rng(0).normal(size=rewards.shape), math.nan

@@ -38,7 +38,7 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from stabledrl_jax import config_lib, flops, models, optim, rl, rollouts, samplers  # noqa: E402
+from stabledrl_jax import config_lib, flops, models, objectives, optim, rl, rollouts, samplers
 
 def best_seconds(fn, runs: int) -> float:
   jax.block_until_ready(fn())  # compile and warm up
@@ -80,8 +80,8 @@ def samplings(family: str, cfg, args) -> list[tuple[str, object]]:
                                  order="confidence", chunk=0, stop_ids=(-1,)))]
 
 
-def objective(family: str, cfg, args) -> rl.Objective:
-  obj = rl.Objective.from_config(config_lib.base_config(family))
+def objective(family: str, cfg, args) -> objectives.Objective:
+  obj = objectives.Objective.from_config(config_lib.base_config(family))
   return dataclasses.replace(obj, group_size=args.group, num_samples=args.samples,
                              block_size=cfg.block_size if family == "sdar" else args.block)
 

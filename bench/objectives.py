@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import collections
 import importlib.util
-import json
 import math
 import os
 import shlex

@@ -25,8 +25,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from stabledrl_jax import (build, checkpointing, config_lib, losses, optim, rl, rollouts,  # noqa: E402
-                           samplers)
+from stabledrl_jax import (build, checkpointing, config_lib, dynamic_sampling,  # noqa: E402
+                           losses, objectives, optim, rl, rollouts, samplers)
 from stabledrl_jax.tasks import pipeline  # noqa: E402
 
 
@@ -62,20 +62,22 @@ def main() -> None:
   mask = np.repeat(enc["prompt_mask_BxP"], g, 0)
   examples = [e for e in exs for _ in range(g)]
   sampling = rollouts.sampling_from_config(c, c.sampler.temperature)
-  obj = rl.Objective.from_config(c)
+  obj = objectives.Objective.from_config(c)
 
   def mean_reward(m) -> float:
-    return float(np.mean([rl.score(data.tokenizer, samplers.generate(m, ids, mask, jax.random.key(k), sampling),
+    return float(np.mean([dynamic_sampling.score(
+        data.tokenizer, samplers.generate(m, ids, mask, jax.random.key(k), sampling),
                                       examples, data.reward_fn).mean() for k in (1, 2)]))
 
   grads = None
   for i in range(args.batches):
     rollout = samplers.generate(model, ids, mask, jax.random.key(100 + i), sampling)
-    adv = losses.group_advantages(jnp.asarray(rl.score(data.tokenizer, rollout, examples, data.reward_fn)),
+    adv = losses.group_advantages(jnp.asarray(
+        dynamic_sampling.score(data.tokenizer, rollout, examples, data.reward_fn)),
                                   group_size=g, mode=c.rl.advantage)
     seqs = rollouts.from_rollout(rollout)
     batch, _ = rl.behaviour_pass(model, None, seqs, adv, jax.random.key(7 + i), obj)
-    gi = nnx.grad(lambda m: rl.policy_loss(m, batch, jax.random.key(0), obj)[0])(model)
+    gi = nnx.grad(lambda m: objectives.policy_loss(m, batch, jax.random.key(0), obj)[0])(model)
     grads = gi if grads is None else jax.tree.map(jnp.add, grads, gi)
 
   params = nnx.state(model, nnx.Param)

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 from absl import app, flags
 from flax import nnx
 
-from stabledrl_jax import (build, cli, lora, models, optim, rl, rollouts, samplers, sharding,
-                           storage)
+from stabledrl_jax import (build, cli, lora, models, objectives, optim, rl, rollouts, samplers,
+                           sharding, storage)
 
 cli.define_flags("configs/sdar.py:8b", "Training config file.")
 _TOPOLOGY = flags.DEFINE_string("topology", "v5p:2x2x1", "TPU topology (e.g. v5p:4x4x4, "
@@ -75,7 +75,7 @@ def model_config(c) -> models.ModelConfig:
 
 
 def abstract_model(cfg: models.ModelConfig, mesh, adapters: lora.LoraConfig | None = None) -> nnx.Module:
-  """The model (with `adapters`, the config's LoRA: `lora.from_config`) with `ShapeDtypeStruct`
+  """The model (with `adapters`, the config's LoRA: `build.lora_config`) with `ShapeDtypeStruct`
   parameters carrying their shardings on `mesh`."""
   model = nnx.eval_shape(lambda: lora.apply(models.create(cfg, 0), adapters, strict=False)
                          if adapters else models.create(cfg, 0))
@@ -118,11 +118,12 @@ def _batched(shape, dtype, mesh):
   return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(mesh, len(shape), shape[0]))
 
 
-def rl_batch_shapes(c, cfg: models.ModelConfig, mesh) -> rl.RLBatch:
+def rl_batch_shapes(c, cfg: models.ModelConfig, mesh) -> objectives.RLBatch:
   """An abstract rollout batch of the config's sizes (prompt + completion layout of the family)."""
   b = c.rl.prompts_per_step * c.rl.group_size
-  # M: rl.num_samples, or the trajectory scheme's forwards (`rl.Objective.from_config`).
-  p, g, m = c.task.max_prompt_len, c.sampler.gen_length, rl.Objective.from_config(c).num_samples
+  # M: rl.num_samples, or the trajectory scheme's forwards (`objectives.Objective.from_config`).
+  p, g = c.task.max_prompt_len, c.sampler.gen_length
+  m = objectives.Objective.from_config(c).num_samples
   seqs = jax.eval_shape(
       lambda pr, pv, co: rollouts.teacher_forced(pr, pv, co, family=cfg.family,
                                                  block_size=c.sampler.block_length,
@@ -131,7 +132,8 @@ def rl_batch_shapes(c, cfg: models.ModelConfig, mesh) -> rl.RLBatch:
       jax.ShapeDtypeStruct((b, g), jnp.int32))
   seqs = jax.tree.map(lambda x: _batched(x.shape, x.dtype, mesh), seqs)
   t = seqs.tokens_BxL.shape[1]
-  return rl.RLBatch(seqs, _batched((b,), jnp.float32, mesh), _batched((b, m, t), bool, mesh),
+  return objectives.RLBatch(seqs, _batched((b,), jnp.float32, mesh),
+                            _batched((b, m, t), bool, mesh),
                     *(_batched((b, m, t), jnp.float32, mesh) for _ in range(3)))
 
 
@@ -163,9 +165,9 @@ def check(c, devices: list, hbm_gib: float | None = None,
   kind = devices[0].device_kind
   hbm = hbm_gib if hbm_gib is not None else next(
       (v for k, v in sorted(HBM_GIB.items(), key=lambda kv: -len(kv[0])) if kind.startswith(k)), None)
-  adapters = lora.from_config(c)
+  adapters = build.lora_config(c)
   model = abstract_model(cfg, mesh, adapters)
-  obj = rl.Objective.from_config(c)
+  obj = objectives.Objective.from_config(c)
   tx = optim.make_optimizer(c.rl.lr, c.rl.warmup_steps, c.rl.steps * c.rl.updates_per_batch, c.optim)
   opt = abstract_optimizer(model, tx, mesh, offload=c.optim.offload_state)
   batch = rl_batch_shapes(c, cfg, mesh)

@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 from typing import Any, NamedTuple
 
 import jax
@@ -13,8 +15,8 @@ import ml_collections
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from stabledrl_jax import (config_lib, controls, detectors, distributed, lora, models, rl,
-                           rollouts, sft, sharding, storage, tasks)
+from stabledrl_jax import (config_lib, controls, detectors, distributed, lora, models, peft_format,
+                           rl, rollouts, sft, sharding, storage, tasks)
 from stabledrl_jax.rollouts import DreamSampling, LLaDASampling, SDARSampling
 from stabledrl_jax.tasks import base, datasets, pipeline
 from stabledrl_jax.tasks.tokenizer import CharTokenizer, HFTokenizer
@@ -27,7 +29,7 @@ class Settings(NamedTuple):
   eval_sampling: LLaDASampling | SDARSampling | DreamSampling  # greedy; exact unless eval.fast
   monitor: detectors.MonitorConfig
   controls: controls.ControlConfig
-  lora: lora.LoraConfig | None  # the adapters (`lora.from_config`); None: full fine-tuning
+  lora: lora.LoraConfig | None  # the adapters (`lora_config`); None: full fine-tuning
 
 
 def settings(c: ml_collections.ConfigDict) -> Settings:
@@ -38,7 +40,7 @@ def settings(c: ml_collections.ConfigDict) -> Settings:
   rl_settings = rl.Settings.from_config(c)
   return Settings(sft.Settings.from_config(c), rl_settings, eval_sampling(c),
                   detectors.MonitorConfig.from_config(c.stability),
-                  controls.ControlConfig.from_config(c, rl_settings.objective), lora.from_config(c))
+                  controls.ControlConfig.from_config(c, rl_settings.objective), lora_config(c))
 
 
 def eval_sampling(c: ml_collections.ConfigDict, temperature: float = 0.0):
@@ -145,17 +147,84 @@ def check_positions(c: ml_collections.ConfigDict, model: nnx.Module) -> None:
                      f"the model's {have}")
 
 
+def _bad_lora(key: str, value, why: str) -> ValueError:
+  return ValueError(f"config.model.{key}={value!r}: {why}")
+
+
+def lora_targets(family: str, text: str) -> tuple[str, ...] | str:
+  """`config.model.lora.targets` as `lora.LoraConfig.targets`: "" the family's
+  `lora.DEFAULT_TARGETS`,
+  "all-linear" as it is, else its comma-separated PEFT names (matched as PEFT matches them)."""
+  if not text:
+    return lora.DEFAULT_TARGETS[family]
+  if text.strip().lower() == lora.ALL_LINEAR:
+    return lora.ALL_LINEAR
+  names = tuple(t.strip() for t in text.split(","))
+  bad = next((t for t in names if not re.fullmatch(r"[\w.]+", t)), None)
+  if bad is not None:
+    raise _bad_lora("lora.targets", text, f"{bad!r} is not a module name; expected comma-separated "
+               "PEFT target names (e.g. q_proj,v_proj), all-linear, or \"\" (the family's)")
+  return names
+
+
+def _disagrees(key: str, value, init: str, peft_key: str, theirs) -> ValueError:
+  return ValueError(f"config.model.{key}={value!r} disagrees with config.model.lora_init={init!r} "
+                    f"({peft_key}={theirs!r} in its {peft_format.CONFIG_FILE}): set "
+                    "config.model.lora.rank=0 "
+                    "to take the adapter's settings")
+
+
+def _same_targets(a: tuple[str, ...] | str, b: tuple[str, ...] | str) -> bool:
+  return (a == b) if isinstance(a, str) or isinstance(b, str) else set(a) == set(b)
+
+
+def lora_config(c) -> lora.LoraConfig | None:
+  """The run's adapters from `config.model.lora` and `config.model.lora_init`, or None for full
+  fine-tuning (rank 0 and no lora_init). With `lora_init` (a PEFT adapter directory) its
+  adapter_config.json gives them; `model.lora.rank` > 0 then asserts them: rank, alpha, dropout
+  and (unless "") targets must be the adapter's. The first bad key raises `ValueError` naming it."""
+  cl, init = c.model.lora, c.model.lora_init
+  if not isinstance(cl.rank, int) or cl.rank < 0:
+    raise _bad_lora("lora.rank", cl.rank, "must be >= 0 (0: full fine-tuning)")
+  if not isinstance(cl.alpha, (int, float)) or not (cl.alpha > 0 and math.isfinite(cl.alpha)):
+    raise _bad_lora("lora.alpha", cl.alpha, "must be a finite number > 0")
+  if not isinstance(cl.dropout, (int, float)) or not 0 <= cl.dropout < 1:
+    raise _bad_lora("lora.dropout", cl.dropout, "must lie in [0, 1)")
+  targets = lora_targets(c.family, cl.targets)
+  ours = (lora.LoraConfig(cl.rank, float(cl.alpha), float(cl.dropout), targets=targets)
+          if cl.rank else None)
+  if not init:
+    return ours
+  if not storage.path(init).is_dir():
+    raise _bad_lora("lora_init", init, "no such directory (expected a PEFT adapter: "
+               f"{peft_format.CONFIG_FILE}, {peft_format.WEIGHTS_FILE})")
+  if not (storage.path(init) / peft_format.WEIGHTS_FILE).exists():
+    raise _bad_lora("lora_init", init, f"missing {storage.path(init) / peft_format.WEIGHTS_FILE}")
+  try:
+    theirs = peft_format.config_from_peft(peft_format.read_peft_config(init))
+  except (lora.AdapterError, OSError, ValueError, KeyError, TypeError) as e:
+    raise _bad_lora("lora_init", init, str(e).strip("'\"")) from e
+  if ours is None:
+    return theirs
+  for key, peft_key in (("rank", "r"), ("alpha", "lora_alpha"), ("dropout", "lora_dropout")):
+    if getattr(ours, key) != getattr(theirs, key):
+      raise _disagrees(f"lora.{key}", getattr(ours, key), init, peft_key, getattr(theirs, key))
+  if cl.targets and not _same_targets(ours.targets, theirs.targets):
+    raise _disagrees("lora.targets", cl.targets, init, "target_modules", theirs.targets)
+  return theirs
+
+
 def adapt(c: ml_collections.ConfigDict, model: nnx.Module) -> nnx.Module:
-  """`model` with the config's LoRA adapters (`lora.from_config`), in place: read from
+  """`model` with the config's LoRA adapters (`lora_config`), in place: read from
   `model.lora_init`, or fresh (A from `config.seed`, B = 0; target names that select no module
   are skipped, as PEFT skips them, and said), each placed like its kernel; as it is for full
   fine-tuning. The base is the same on every (re)start, so a checkpoint needs only the adapters."""
-  lc = lora.from_config(c)
+  lc = lora_config(c)
   if lc is None:
     return model
   try:
     if c.model.lora_init:
-      lora.load_peft(model, c.model.lora_init)
+      peft_format.load_peft(model, c.model.lora_init)
     else:
       lora.apply(model, lc, seed=c.seed, strict=False)
   except (lora.AdapterError, OSError) as e:

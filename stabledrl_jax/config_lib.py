@@ -6,9 +6,9 @@
 `base_config(family)`. The dict is locked, so an
 override of a key that does not exist fails in `config_flags` and names the key. Each module that
 consumes a section owns a typed, frozen settings class built from it (`from_config`) that checks
-its values with one-line errors naming the key: `rl.Settings` / `rl.Objective` (`rl`),
+its values with one-line errors naming the key: `rl.Settings` / `objectives.Objective` (`rl`),
 `rollouts.LLaDASampling` / `SDARSampling` / `DreamSampling` (`sampler`), `sft.Settings` (`sft`),
-`detectors.MonitorConfig` (`stability`), `controls.ControlConfig` (`controls`), `lora.from_config`
+`detectors.MonitorConfig` (`stability`), `controls.ControlConfig` (`controls`), `build.lora_config`
 (`model.lora`, `model.lora_init`); `build.settings` builds them all before anything is compiled or
 written. This module imports none of them.
 """
@@ -84,7 +84,7 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   # llada2: the experts' grouped matmuls, "tiles" (the active experts' work on any backend; CPU)
   # or "ragged_dot" (jax.lax.ragged_dot; XLA's CPU lowering multiplies by every expert)
   c.model.moe_impl = "tiles"
-  # LoRA (`lora.from_config`): rank 0 = full fine-tuning; > 0 trains only adapters of this rank on
+  # LoRA (`build.lora_config`): rank 0 = full fine-tuning; > 0 trains only adapters of this rank on
   # a frozen base (checkpoints hold the adapters alone; the export adds them alone in PEFT format).
   c.model.lora = ml_collections.ConfigDict()
   c.model.lora.rank = 0
@@ -148,7 +148,7 @@ def base_config(family: str) -> ml_collections.ConfigDict:
 
   c.rl = ml_collections.ConfigDict()
   c.rl.steps = 60  # RL steps, each one rollout batch and rl.updates_per_batch optimiser updates
-  # rl.OBJECTIVES: stabledrl, stabledrl_spg, grpo, espo, spg, spg_is, wd1, rft
+  # objectives.OBJECTIVES: stabledrl, stabledrl_spg, grpo, espo, spg, spg_is, wd1, rft
   c.rl.objective = "stabledrl"
   c.rl.prompts_per_step = 16  # prompts per RL step, each rolled out rl.group_size times
   c.rl.group_size = 8           # G

@@ -213,7 +213,7 @@ class ControlConfig:
   @classmethod
   def from_config(cls, c, objective) -> ControlConfig:
     """`config.controls` with the clip band of `config.stability`, checked against the run's
-    `rl.Objective` (a control moves its clip ε)."""
+    `objectives.Objective` (a control moves its clip ε)."""
     config = cls(**c.controls.to_dict(), clip_low=c.stability.clip_low,
                  clip_high=c.stability.clip_high)
     if config.moves_epsilon:

@@ -17,7 +17,9 @@ from __future__ import annotations
 import os
 
 from absl import flags
-from stabledrl_jax import cli, distributed, lora, models, storage
+from flax import nnx
+
+from stabledrl_jax import build, cli, distributed, lora, models, peft_format, storage
 
 MAX_SHARD_BYTES = 5 * 2**30
 
@@ -39,13 +41,15 @@ def adapter_dir(out_dir: str | os.PathLike) -> str:
 def export(c, model, out_dir: str | os.PathLike, *, dtype: str | None = None, replace: bool = False,
            max_shard_bytes: int = MAX_SHARD_BYTES) -> str:
   """Write `model` to `out_dir` in the run's source format; returns `out_dir`. A model with LoRA
-  adapters is written merged (`models.export_pretrained`), and its adapters alone to
-  `adapter_dir(out_dir)` in PEFT's format."""
-  models.export_pretrained(model, out_dir, dtype=dtype or default_dtype(c),
+  adapters is written merged (`lora.merge` of a clone: `model` keeps them), and its adapters
+  alone to `adapter_dir(out_dir)` in PEFT's format."""
+  adapted = bool(lora.adapters(model))
+  merged = lora.merge(nnx.clone(model)) if adapted else model  # new kernels, the rest shared
+  models.export_pretrained(merged, out_dir, dtype=dtype or default_dtype(c),
                            max_shard_bytes=max_shard_bytes,
                            source_dir=c.model.checkpoint or None, replace=replace)
-  if lora.adapters(model):
-    lora.export_peft(model, adapter_dir(out_dir), base_model_name_or_path=c.model.checkpoint or None)
+  if adapted:
+    peft_format.export_peft(model, adapter_dir(out_dir), base_model_name_or_path=c.model.checkpoint or None)
   return out_dir
 
 
@@ -55,7 +59,7 @@ def main(argv):
   if not workdir or not f.out:
     cli.fail("give --workdir=W (a training run) and --out=DIR")
   try:
-    targets = [f.out] + ([adapter_dir(f.out)] if lora.from_config(c) else [])
+    targets = [f.out] + ([adapter_dir(f.out)] if build.lora_config(c) else [])
     for target in targets:  # refused before anything is loaded
       if storage.path(target).is_dir() and any(storage.path(target).iterdir()):
         raise models.huggingface.ExportError(f"export target {target} exists and is not empty")

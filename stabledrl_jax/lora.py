@@ -19,58 +19,30 @@ the head). LLaDA's modules are `q_proj`, `k_proj`, `v_proj`, `attn_out`, `ff_pro
 Qwen-style families (SDAR, Dream) name theirs `q_proj`, `k_proj`, `v_proj`, `o_proj`,
 `gate_proj`, `up_proj`, `down_proj` and `lm_head`.
 
-PEFT's adapter directory: `adapter_config.json` (`peft_type` "LORA", `r`, `lora_alpha`,
-`lora_dropout`, `target_modules`, `base_model_name_or_path`, ...) and `adapter_model.safetensors`
-holding `base_model.model.<module>.lora_A.weight` [r, D_in] and `....lora_B.weight` [D_out, r]
-(torch's [out, in] layout: our A and B transposed). `load_peft` applies every tensor the file
-holds; one it cannot place is an error naming it.
-
-In a training run (`from_config`: `config.model.lora`, `config.model.lora_init`) `build.model`
-attaches the adapters, the optimiser and the updates train only them (`trainable`), the
-checkpoints hold only them (the base is rebuilt from `model.checkpoint` or the seed), and the
+PEFT's adapter directory (adapter_config.json, adapter_model.safetensors) is `peft_format`'s.
+In a training run (`build.lora_config`: `config.model.lora`, `config.model.lora_init`)
+`build.model` attaches the adapters, the optimiser and the updates train only them (`trainable`),
+the checkpoints hold only them (the base is rebuilt from `model.checkpoint` or the seed), and the
 export writes the merged model and the adapters alone (`export.export`).
 """
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
-from safetensors import safe_open
-from safetensors.numpy import save as save_safetensors
 
-from stabledrl_jax import storage
-from stabledrl_jax.models import huggingface
+from stabledrl_jax.models import weights
 from stabledrl_jax.models.config import ModelConfig
 from stabledrl_jax.models.moe import RouterParam
 from stabledrl_jax.models.transformer import Linear
 
 ADAPTER = nnx.LoRAParam  # the adapters' parameters: nnx.Optimizer(model, tx, wrt=ADAPTER)
 ALL_LINEAR = "all-linear"
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-PEFT_PREFIX = "base_model.model."
-PEFT_EMBEDDING_NAMES = ("embed_tokens", "lm_head")  # PEFT saves these whole when targeted
-# adapter_config.json options that change what a LoRA adapter computes; any other value than
-# these (PEFT's defaults) is refused, naming the key.
-_PEFT_DEFAULTS = {"use_dora": False, "use_rslora": False, "bias": "none", "lora_bias": False,
-                  "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {},
-                  "layers_to_transform": None, "exclude_modules": None, "modules_to_save": None,
-                  "target_parameters": None, "trainable_token_indices": None,
-                  "alora_invocation_tokens": None, "use_qalora": False, "use_bdlora": None,
-                  "layer_replication": None}
-# PEFT reads these with their defaults where absent; written so the file reads as PEFT's own.
-_PEFT_WRITTEN = {"bias": "none", "fan_in_fan_out": False, "inference_mode": True,
-                 "init_lora_weights": True, "layers_pattern": None, "layers_to_transform": None,
-                 "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {},
-                 "revision": None, "use_dora": False, "use_rslora": False}
 
 
 # `config.model.lora.targets=""`: the family's attention and MLP projections in every block, not
@@ -98,7 +70,7 @@ class LoraConfig:
   """Rank r, alpha α (the update is scaled by α / r), dropout on the adapters' input, and the
   PEFT target names (a tuple of names matched as suffixes, or one regular expression). The
   targets have no default here: a run's come from `config.model.lora.targets` ("" = the family's
-  `DEFAULT_TARGETS`, `targets_from_config`)."""
+  `DEFAULT_TARGETS`, `build.lora_targets`)."""
 
   rank: int
   alpha: float
@@ -158,7 +130,7 @@ def linear_modules(cfg: ModelConfig) -> dict[str, tuple]:
   """Every linear layer as {its module name in the official checkpoint: its path in the model}
   (the weight name without ".weight"), in checkpoint order, the head included."""
   return {spec.hf_name.removesuffix(".weight"): spec.path[:-1]
-          for spec in huggingface.weight_specs(cfg) if spec.path[-1] == "kernel"}
+          for spec in weights.weight_specs(cfg) if spec.path[-1] == "kernel"}
 
 
 def head_module(cfg: ModelConfig) -> str:
@@ -202,7 +174,7 @@ def select(cfg: ModelConfig, targets: tuple[str, ...] | str, *,
 
 
 def _module(model, path: tuple):
-  return huggingface._variable(model, path)
+  return weights.variable(model, path)
 
 
 def _placed(value: jax.Array, kernel, spec: tuple) -> jax.Array:
@@ -275,7 +247,7 @@ def num_params(model) -> int:
 def logical_axes(model) -> dict[tuple, tuple]:
   """{path of each adapter parameter: its logical axes}: A [D_in, r] takes the kernel's input
   axis, B [r, D_out] its output axis, the rank is never split (the sharding rules' input)."""
-  axes_of = {spec.path: spec.logical_axes for spec in huggingface.weight_specs(model.config)}
+  axes_of = {spec.path: spec.logical_axes for spec in weights.weight_specs(model.config)}
   out = {}
   for path in (p for p in linear_modules(model.config).values()
                if getattr(_module(model, p), "adapter", None) is not None):
@@ -349,228 +321,3 @@ def _layer_pattern(names: list[str]) -> str:
     return ""
   rests = sorted({p.group(3) for p in parts})
   return re.escape(parts[0].group(1)) + r"\d+\.(" + "|".join(map(re.escape, rests)) + ")"
-
-
-# ----------------------------------------------------------------------------- the run's config
-
-
-def _bad(key: str, value, why: str) -> ValueError:
-  return ValueError(f"config.model.{key}={value!r}: {why}")
-
-
-def targets_from_config(family: str, text: str) -> tuple[str, ...] | str:
-  """`config.model.lora.targets` as `LoraConfig.targets`: "" the family's `DEFAULT_TARGETS`,
-  "all-linear" as it is, else its comma-separated PEFT names (matched as PEFT matches them)."""
-  if not text:
-    return DEFAULT_TARGETS[family]
-  if text.strip().lower() == ALL_LINEAR:
-    return ALL_LINEAR
-  names = tuple(t.strip() for t in text.split(","))
-  bad = next((t for t in names if not re.fullmatch(r"[\w.]+", t)), None)
-  if bad is not None:
-    raise _bad("lora.targets", text, f"{bad!r} is not a module name; expected comma-separated "
-               "PEFT target names (e.g. q_proj,v_proj), all-linear, or \"\" (the family's)")
-  return names
-
-
-def _disagrees(key: str, value, init: str, peft_key: str, theirs) -> ValueError:
-  return ValueError(f"config.model.{key}={value!r} disagrees with config.model.lora_init={init!r} "
-                    f"({peft_key}={theirs!r} in its {CONFIG_FILE}): set config.model.lora.rank=0 "
-                    "to take the adapter's settings")
-
-
-def _same_targets(a: tuple[str, ...] | str, b: tuple[str, ...] | str) -> bool:
-  return (a == b) if isinstance(a, str) or isinstance(b, str) else set(a) == set(b)
-
-
-def from_config(c) -> LoraConfig | None:
-  """The run's adapters from `config.model.lora` and `config.model.lora_init`, or None for full
-  fine-tuning (rank 0 and no lora_init). With `lora_init` (a PEFT adapter directory) its
-  adapter_config.json gives them; `model.lora.rank` > 0 then asserts them: rank, alpha, dropout
-  and (unless "") targets must be the adapter's. The first bad key raises `ValueError` naming it."""
-  cl, init = c.model.lora, c.model.lora_init
-  if not isinstance(cl.rank, int) or cl.rank < 0:
-    raise _bad("lora.rank", cl.rank, "must be >= 0 (0: full fine-tuning)")
-  if not isinstance(cl.alpha, (int, float)) or not (cl.alpha > 0 and math.isfinite(cl.alpha)):
-    raise _bad("lora.alpha", cl.alpha, "must be a finite number > 0")
-  if not isinstance(cl.dropout, (int, float)) or not 0 <= cl.dropout < 1:
-    raise _bad("lora.dropout", cl.dropout, "must lie in [0, 1)")
-  targets = targets_from_config(c.family, cl.targets)
-  ours = LoraConfig(cl.rank, float(cl.alpha), float(cl.dropout), targets=targets) if cl.rank else None
-  if not init:
-    return ours
-  if not storage.path(init).is_dir():
-    raise _bad("lora_init", init, "no such directory (expected a PEFT adapter: "
-               f"{CONFIG_FILE}, {WEIGHTS_FILE})")
-  if not (storage.path(init) / WEIGHTS_FILE).exists():
-    raise _bad("lora_init", init, f"missing {storage.path(init) / WEIGHTS_FILE}")
-  try:
-    theirs = config_from_peft(read_peft_config(init))
-  except (AdapterError, OSError, ValueError, KeyError, TypeError) as e:
-    raise _bad("lora_init", init, str(e).strip("'\"")) from e
-  if ours is None:
-    return theirs
-  for key, peft_key in (("rank", "r"), ("alpha", "lora_alpha"), ("dropout", "lora_dropout")):
-    if getattr(ours, key) != getattr(theirs, key):
-      raise _disagrees(f"lora.{key}", getattr(ours, key), init, peft_key, getattr(theirs, key))
-  if cl.targets and not _same_targets(ours.targets, theirs.targets):
-    raise _disagrees("lora.targets", cl.targets, init, "target_modules", theirs.targets)
-  return theirs
-
-
-# ----------------------------------------------------------------------------- PEFT files
-
-
-def peft_config(lc: LoraConfig, base_model_name_or_path: str | None = None,
-                task_type: str = "CAUSAL_LM") -> dict:
-  """adapter_config.json for `lc`: PEFT's keys for a plain LoRA adapter."""
-  targets = lc.targets if isinstance(lc.targets, str) else sorted(lc.targets)
-  alpha = int(lc.alpha) if float(lc.alpha).is_integer() else lc.alpha
-  return {**_PEFT_WRITTEN, "base_model_name_or_path": base_model_name_or_path,
-          "lora_alpha": alpha, "lora_dropout": lc.dropout, "peft_type": "LORA", "r": lc.rank,
-          "target_modules": targets, "task_type": task_type}
-
-
-def config_from_peft(peft: dict) -> LoraConfig:
-  """The LoraConfig of a PEFT adapter_config.json dict; an option that changes what the adapter
-  computes and that this project does not implement (DoRA, rsLoRA, biases, per-module ranks,
-  layer subsets, ...) is refused, naming it."""
-  if peft.get("peft_type") != "LORA":
-    raise AdapterError(f"adapter_config.json peft_type={peft.get('peft_type')!r}: only 'LORA' "
-                       "adapters are supported")
-  for key, default in _PEFT_DEFAULTS.items():
-    value = peft.get(key, default)
-    if value != default and not (default is None and value in ([], {}, "")):
-      raise AdapterError(f"adapter_config.json {key}={value!r} is not supported (expected "
-                         f"{default!r})")
-  targets = peft.get("target_modules")
-  if not targets:
-    raise AdapterError(f"adapter_config.json target_modules={targets!r}: name the modules")
-  return LoraConfig(rank=int(peft["r"]), alpha=float(peft.get("lora_alpha", 8)),
-                    dropout=float(peft.get("lora_dropout", 0.0)),
-                    targets=targets if isinstance(targets, str) else tuple(targets))
-
-
-def read_peft_config(adapter_dir: str | storage.Path) -> dict:
-  path = storage.path(adapter_dir) / CONFIG_FILE
-  if not path.exists():
-    raise FileNotFoundError(f"missing {path}")
-  return json.loads(path.read_text())
-
-
-def peft_names(module: str) -> tuple[str, str]:
-  """PEFT's tensor names of the adapter of `module` (A, then B)."""
-  return (f"{PEFT_PREFIX}{module}.lora_A.weight", f"{PEFT_PREFIX}{module}.lora_B.weight")
-
-
-def _host(value: jax.Array) -> np.ndarray:
-  if not value.is_fully_addressable:
-    value = multihost_utils.process_allgather(value, tiled=True)
-  return np.asarray(jax.device_get(value))
-
-
-def base_layer_name(module: str) -> str:
-  """PEFT's name of the frozen weight of an adapted module, saved whole for the embedding
-  layers (`embed_tokens`, `lm_head`) when an adapter targets them."""
-  return f"{PEFT_PREFIX}{module}.base_layer.weight"
-
-
-def peft_tensors(model, dtype: str = "float32") -> dict[str, np.ndarray]:
-  """Every adapter as PEFT's tensors: {name: A.T [r, D_in] or B.T [D_out, r]}, and, as PEFT
-  saves it, the whole weight [D_out, D_in] of an adapted `lm_head` (every process joins the
-  gathers of a multi-process model)."""
-  out = {}
-  paths = linear_modules(model.config)
-  for module, adapter in adapters(model).items():
-    name_a, name_b = peft_names(module)
-    out[name_a] = np.ascontiguousarray(_host(adapter.lora_a.get_value()).T.astype(dtype))
-    out[name_b] = np.ascontiguousarray(_host(adapter.lora_b.get_value()).T.astype(dtype))
-    if module.rsplit(".", 1)[-1] in PEFT_EMBEDDING_NAMES:
-      kernel = _module(model, paths[module]).kernel.get_value()
-      out[base_layer_name(module)] = np.ascontiguousarray(_host(kernel).T.astype(dtype))
-  return out
-
-
-def export_peft(model, out_dir: str | storage.Path, *, base_model_name_or_path: str | None = None,
-                dtype: str = "float32") -> None:
-  """Write the adapters alone as a PEFT directory (adapter_config.json,
-  adapter_model.safetensors) that `peft.PeftModel.from_pretrained(official_model, out_dir)`
-  loads; `base_model_name_or_path` names the base checkpoint (e.g. its hub id)."""
-  tensors = peft_tensors(model, dtype)  # every process, before process 0 writes
-  if jax.process_index() != 0:
-    return
-  out_dir = storage.path(out_dir)
-  storage.makedirs(out_dir)
-  (out_dir / WEIGHTS_FILE).write_bytes(save_safetensors(tensors, metadata={"format": "pt"}))
-  (out_dir / CONFIG_FILE).write_text(
-      json.dumps(peft_config(config_of(model), base_model_name_or_path), indent=2))
-
-
-def _assign(variable, host: np.ndarray, want: tuple, name: str, transpose: bool) -> None:
-  """Set `variable` (keeping its dtype and sharding) from a tensor of the file."""
-  if host.shape != want:
-    raise AdapterError(f"adapter tensor {name!r} has shape {host.shape}, expected {want}")
-  old = variable.get_value()
-  value = jnp.asarray((host.T if transpose else host).astype(old.dtype))
-  sharding = getattr(old, "sharding", None)
-  variable.set_value(jax.device_put(value, sharding) if sharding is not None else value)
-
-
-def _peft_targets(model, lc: LoraConfig) -> dict[str, tuple]:
-  """{PEFT tensor name: (variable, shape in the file, transposed)} of every tensor a PEFT
-  adapter of the model's adapters may hold: A and B of each adapter, and whole weights PEFT
-  saves beside them (a targeted embedding layer's `base_layer`, or a weight by its
-  checkpoint name, e.g. a resized embedding), which replace the checkpoint's."""
-  out = {}
-  for module, adapter in adapters(model).items():
-    if (adapter.rank, adapter.alpha) != (lc.rank, lc.alpha):
-      raise AdapterError(f"module {module!r} has rank {adapter.rank}, alpha {adapter.alpha}; "
-                         f"the adapter has r={lc.rank}, lora_alpha={lc.alpha}")
-    name_a, name_b = peft_names(module)
-    out[name_a] = (adapter.lora_a, (lc.rank, adapter.in_features), True)
-    out[name_b] = (adapter.lora_b, (adapter.out_features, lc.rank), True)
-  for spec in huggingface.weight_specs(model.config):
-    variable = _module(model, spec.path)
-    shape = tuple(variable.get_value().shape)
-    entry = (variable, shape[::-1] if spec.transpose else shape, spec.transpose)
-    out[PEFT_PREFIX + spec.hf_name] = entry
-    module = spec.hf_name.removesuffix(".weight")
-    if spec.path[-1] == "kernel" and getattr(_module(model, spec.path[:-1]), "adapter", None):
-      out[base_layer_name(module)] = entry
-  return out
-
-
-def load_peft(model, adapter_dir: str) -> LoraConfig:
-  """Load a PEFT LoRA adapter into `model`: adapters are attached as its adapter_config.json
-  says (PEFT's matching: a listed name that selects nothing is skipped, as PEFT skips it), or,
-  on a model that has them already, must be exactly those; then every tensor of the file is
-  placed (whole weights PEFT saved beside the adapters replace the model's). A tensor that
-  names nothing of the model as PEFT names it, or of the wrong shape, is an error naming it; so
-  is an adapted module the file has no A or B for."""
-  lc = config_from_peft(read_peft_config(adapter_dir))
-  chosen = select(model.config, lc.targets, strict=False)
-  if not adapters(model):
-    apply(model, lc, strict=False)
-  found = adapters(model)
-  if set(found) != set(chosen):
-    extra = sorted(set(found) ^ set(chosen))[0]
-    raise AdapterError(f"module {extra!r}: the model's adapters differ from {adapter_dir}'s "
-                       "target_modules")
-  targets = _peft_targets(model, lc)
-  path = storage.path(adapter_dir) / WEIGHTS_FILE
-  if not path.exists():
-    raise FileNotFoundError(f"missing {path}")
-  with storage.local_copy(path) as local, safe_open(local, framework="np") as f:
-    names = list(f.keys())
-    for name in names:
-      if name not in targets:
-        raise AdapterError(f"adapter tensor {name!r} in {path} names no adapted module or weight "
-                           f"of this {model.config.family} model")
-    needed = [n for module in found for n in peft_names(module)]
-    missing = [name for name in needed if name not in names]
-    if missing:
-      raise AdapterError(f"adapter tensor {missing[0]!r} is missing from {path}")
-    for name in names:
-      variable, want, transpose = targets[name]
-      _assign(variable, f.get_tensor(name), want, name, transpose)
-  return lc

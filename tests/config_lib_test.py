@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from stabledrl_jax import config_lib, controls, detectors, rl, rollouts, sft
+from stabledrl_jax import config_lib, controls, detectors, objectives, rl, rollouts, sft
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ def test_each_config_key_has_its_default_in_one_place():
       assert assigned.count(key) == 1, (key, assigned.count(key))
   keys = {name for section in config_lib.base_config("sdar").values() if hasattr(section, "keys")
           for name in section.keys()}
-  for cls in (rl.Objective, rl.Settings, rollouts.LLaDASampling, rollouts.SDARSampling,
+  for cls in (objectives.Objective, rl.Settings, rollouts.LLaDASampling, rollouts.SDARSampling,
               rollouts.DreamSampling, sft.Settings, detectors.MonitorConfig, controls.ControlConfig):
     defaulted = [f.name for f in dataclasses.fields(cls)
                  if f.name in keys and f.default is not dataclasses.MISSING]

@@ -5,7 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import ml_collections
 import pytest
 
 from stabledrl_jax import config_lib

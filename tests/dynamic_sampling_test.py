@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from stabledrl_jax import build, config_lib, models, optim, rl, samplers, train
+from stabledrl_jax import build, config_lib, dynamic_sampling, models, optim, rl, samplers, train
 from stabledrl_jax.tasks.tokenizer import SPECIAL_TOKENS, CharTokenizer
 from tests.train_test import TIMING, _params
 
@@ -77,11 +77,13 @@ def run_step(start, c, data, key=jax.random.key(7)):
 
 def test_select_groups_keeps_signal_first_then_fills_in_draw_order():
   s = lambda *flags: np.array(flags, bool)
-  assert rl.select_groups([s(1, 1)], 2) == [(0, 0), (0, 1)]
-  assert rl.select_groups([s(0, 1), s(0, 0), s(1, 1)], 2) == [(0, 1), (2, 0)]
-  assert rl.select_groups([s(0, 0), s(1, 0)], 2) == [(0, 0), (1, 0)]  # one with signal, one filler
-  assert rl.select_groups([s(0, 0), s(0, 0)], 2) == [(0, 0), (0, 1)]
-  np.testing.assert_array_equal(rl.has_signal(np.array([1, 1, 1, 1, 0, 0, 0, 1e-9]), 4), [0, 1])
+  assert dynamic_sampling.select_groups([s(1, 1)], 2) == [(0, 0), (0, 1)]
+  assert dynamic_sampling.select_groups([s(0, 1), s(0, 0), s(1, 1)], 2) == [(0, 1), (2, 0)]
+  # one with signal, one filler
+  assert dynamic_sampling.select_groups([s(0, 0), s(1, 0)], 2) == [(0, 0), (1, 0)]
+  assert dynamic_sampling.select_groups([s(0, 0), s(0, 0)], 2) == [(0, 0), (0, 1)]
+  np.testing.assert_array_equal(
+      dynamic_sampling.has_signal(np.array([1, 1, 1, 1, 0, 0, 0, 1e-9]), 4), [0, 1])
 
 
 def test_kept_groups_have_signal_and_are_the_drawn_rollouts(start):
@@ -91,10 +93,10 @@ def test_kept_groups_have_signal_and_are_the_drawn_rollouts(start):
   c, key = config(filter_zero_advantage=True, max_prompt_draws=4), jax.random.key(3)
   data = fake_data(flat)
   s = rl.Settings.from_config(c)
-  sampled = rl.dynamic_sample(s, data, start[0], next(data.rl), key)
+  sampled = dynamic_sampling.dynamic_sample(s, data, start[0], next(data.rl), key)
   assert data.drawn == 3 and sampled.record == {"groups_drawn": 6, "groups_kept": 2,
                                                 "prompt_draws": 3}
-  assert np.all(rl.has_signal(sampled.rewards_B, G))
+  assert np.all(dynamic_sampling.has_signal(sampled.rewards_B, G))
   # Rows 0-3 are draw 0's group 1 and rows 4-7 draw 2's group 0, each under its draw's key.
   for rows, d, group in ((slice(0, G), 0, 1), (slice(G, 2 * G), 2, 0)):
     batch = prompts(d, [None] * P)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from stabledrl_jax import (config_lib, estimators, generate, likelihood, losses, models, optim, rl,
-                           rollouts, samplers)
+from stabledrl_jax import (config_lib, estimators, generate, likelihood, losses, models,
+                           objectives, optim, rl, rollouts, samplers)
 from tests.samplers_test import left_pad
 
 MASK = 127
@@ -281,7 +281,7 @@ def _trajectory_config(family, objective, **rl_changes):
                                               ("sdar", "stabledrl"), ("sdar", "grpo")])
 def test_one_rl_update_with_the_trajectory_scheme(family_models, family, objective):
   c = _trajectory_config(family, objective, trajectory_shrink=3)
-  obj = rl.Objective.from_config(c)
+  obj = objectives.Objective.from_config(c)
   assert obj.num_samples == -(-c.sampler.steps // 3)
   model = models.create(models.tiny(**models.family_options(family), n_kv_heads=2), seed=1)
   opt = nnx.Optimizer(model, optim.make_optimizer(1e-2, 0, 10, c.optim), wrt=nnx.Param)
@@ -331,7 +331,7 @@ def test_copies_in_passes_give_the_same_logp_and_gradient(family_models, family)
 def test_trajectory_ignores_the_mask_keys():
   c = _trajectory_config("llada", "stabledrl", trajectory_shrink=3, num_samples=5,
                          coupling="independent", p_mask_prompt=0.15)
-  obj = rl.Objective.from_config(c)
+  obj = objectives.Objective.from_config(c)
   assert (obj.num_samples, obj.coupling, obj.p_mask_prompt) == (3, "coupled", 0.0)
 
 

@@ -13,10 +13,8 @@ import dataclasses
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from stabledrl_jax import build, config_lib, models, rollouts, samplers
 from tests import samplers_test

@@ -47,6 +47,7 @@ class Emulator:
   env: dict  # the whole environment of a client process (os.environ with the emulator's variables)
   prefix: tuple  # runs a command inside the server's network namespace
   gone_flag: pathlib.Path  # while this file exists, the bucket answers as deleted (`lose_bucket`)
+  locked_flag: pathlib.Path  # while this file exists, a request without credentials gets 401
 
   def url(self, *parts: str) -> str:
     return "/".join((f"gs://{self.bucket}", *parts))
@@ -66,6 +67,14 @@ class Emulator:
       self.gone_flag.touch()
     else:
       self.gone_flag.unlink(missing_ok=True)
+
+  def refuse_anonymous(self, refuse: bool = True) -> None:
+    """From now on a request without an `Authorization` header gets the service's 401 for an
+    anonymous caller: what a client without credentials meets (the clients here send none)."""
+    if refuse:
+      self.locked_flag.touch()
+    else:
+      self.locked_flag.unlink(missing_ok=True)
 
 
 def client_env(base: dict, endpoint: str, cloudsdk_config: str) -> dict:
@@ -122,8 +131,10 @@ def running(bucket: str = "bkt", seed: str | os.PathLike | None = None):
     try:
       if proc.stdout.readline().strip() != "ready":
         raise RuntimeError(f"fake-gcs-server did not start (exit code {proc.wait()})")
-      yield Emulator(bucket, root / bucket, client_env(dict(os.environ), endpoint, os.path.join(tmp, "gcloud")),
-                     ("nsenter", f"--net=/proc/{proc.pid}/ns/net", "--"), gone)
+      yield Emulator(bucket, root / bucket,
+                     client_env(dict(os.environ), endpoint, os.path.join(tmp, "gcloud")),
+                     ("nsenter", f"--net=/proc/{proc.pid}/ns/net", "--"), gone,
+                     pathlib.Path(f"{gone}.locked"))
     finally:
       os.killpg(proc.pid, 9)
       proc.wait()
@@ -208,9 +219,16 @@ class _Proxy(http.server.BaseHTTPRequestHandler):
     url = urllib.parse.urlsplit(self.path)
     query = dict(urllib.parse.parse_qsl(url.query))
     target = _object_of(url.path, query)
-    if "/b/" in url.path and os.path.exists(self.gone_flag):
-      status, data = 404, json.dumps({"error": {"code": 404, "message": "The specified bucket "
-                                                "does not exist."}}).encode()
+    refusal = None
+    if os.path.exists(f"{self.gone_flag}.locked") and "Authorization" not in self.headers:
+      refusal = 401, ("Anonymous caller does not have storage.objects.list access to the Google "
+                      "Cloud Storage bucket. Permission 'storage.objects.list' denied on resource "
+                      "(or it may not exist).")
+    elif "/b/" in url.path and os.path.exists(self.gone_flag):
+      refusal = 404, "The specified bucket does not exist."
+    if refusal:
+      status, data = refusal[0], json.dumps({"error": {"code": refusal[0],
+                                                       "message": refusal[1]}}).encode()
       self.send_response(status)
       self.send_header("Content-Type", "application/json")
       self.send_header("Content-Length", str(len(data)))

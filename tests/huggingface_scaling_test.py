@@ -22,7 +22,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from stabledrl_jax import models
-from stabledrl_jax.models import huggingface
+from stabledrl_jax.models import hf_config, weights
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,7 +36,7 @@ LOAD_SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     from jax.sharding import Mesh
     from stabledrl_jax import models
-    from stabledrl_jax.models import huggingface
+    from stabledrl_jax.models import weights
     from tests.huggingface_scaling_test import pattern
 
     def read_bytes():
@@ -45,10 +45,10 @@ LOAD_SCRIPT = textwrap.dedent("""
     jax.device_put(np.ones(4)).block_until_ready()  # backend up before the baseline
     before = read_bytes()
     model, cfg = models.load_pretrained(hf_dir, dtype="float32", mesh=mesh)
-    values = [huggingface._variable(model, s.path).get_value() for s in huggingface.weight_specs(cfg)]
+    values = [weights.variable(model, s.path).get_value() for s in weights.weight_specs(cfg)]
     jax.block_until_ready(values)
     after = read_bytes()
-    for k, (spec, value) in enumerate(zip(huggingface.weight_specs(cfg), values)):
+    for k, (spec, value) in enumerate(zip(weights.weight_specs(cfg), values)):
       hf_shape = value.shape[::-1] if spec.transpose else value.shape
       for shard in value.addressable_shards:
         index = shard.index[::-1] if spec.transpose else shard.index
@@ -71,11 +71,11 @@ def pattern(k: int, shape: tuple, index: tuple | None = None) -> np.ndarray:
 def write_checkpoint(out, cfg) -> int:
   """The 300M model in bfloat16 as four shards + index (one shard in memory at a time); the
   checkpoint's size in bytes."""
-  specs = huggingface.weight_specs(cfg)
+  specs = weights.weight_specs(cfg)
   abstract = nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
   shapes = []
   for spec in specs:
-    shape = tuple(huggingface._variable(abstract, spec.path).get_value().shape)
+    shape = tuple(weights.variable(abstract, spec.path).get_value().shape)
     shapes.append(shape[::-1] if spec.transpose else shape)
   os.makedirs(out)
   weight_map = {}
@@ -86,7 +86,7 @@ def write_checkpoint(out, cfg) -> int:
     weight_map.update({specs[k].hf_name: name for k in range(i, len(specs), 4)})
   json.dump({"metadata": {}, "weight_map": weight_map},
             open(os.path.join(out, "model.safetensors.index.json"), "w"))
-  json.dump(huggingface.config_to_hf(cfg), open(os.path.join(out, "config.json"), "w"))
+  json.dump(hf_config.config_to_hf(cfg), open(os.path.join(out, "config.json"), "w"))
   return sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)
              if f.endswith(".safetensors"))
 

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from stabledrl_jax import models
-from stabledrl_jax.models import huggingface
+from stabledrl_jax.models import hf_config, hf_tokenizer, weights
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,8 +29,8 @@ def logits(model, ids, attention="full", block_size=None):
 
 
 def _params(model) -> dict:
-  return {spec.hf_name: np.asarray(huggingface._variable(model, spec.path)[...])
-          for spec in huggingface.weight_specs(model.config)}
+  return {spec.hf_name: np.asarray(weights.variable(model, spec.path)[...])
+          for spec in weights.weight_specs(model.config)}
 
 
 @pytest.fixture(scope="module", params=["sdar", "llada"])
@@ -49,10 +49,10 @@ def test_export_is_read_by_the_safetensors_library(exported):
   model, out = exported
   with safe_open(os.path.join(out, "model.safetensors"), framework="numpy") as f:
     names = set(f.keys())
-    for spec in huggingface.weight_specs(model.config):
-      ours = np.asarray(huggingface._variable(model, spec.path)[...])
+    for spec in weights.weight_specs(model.config):
+      ours = np.asarray(weights.variable(model, spec.path)[...])
       np.testing.assert_array_equal(f.get_tensor(spec.hf_name), ours.T if spec.transpose else ours)
-  assert names == {s.hf_name for s in huggingface.weight_specs(model.config)}
+  assert names == {s.hf_name for s in weights.weight_specs(model.config)}
 
 
 def test_round_trip_is_lossless(exported):
@@ -284,7 +284,7 @@ def test_streaming_load_peak_memory_below_1p5x_disk(tmp_path):
                     head_dim=64, mlp_dim=4096)
   assert 2.9e8 < cfg.num_params < 3.2e8
   # Written with the safetensors library, one shard in memory at a time, four shards + index.
-  specs = huggingface.weight_specs(cfg)
+  specs = weights.weight_specs(cfg)
   abstract = nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
   shards = [specs[i::4] for i in range(4)]
   weight_map = {}
@@ -292,14 +292,14 @@ def test_streaming_load_peak_memory_below_1p5x_disk(tmp_path):
     file_name = f"model-{i + 1:05d}-of-00004.safetensors"
     tensors = {}
     for spec in shard:
-      shape = tuple(huggingface._variable(abstract, spec.path).get_value().shape)
+      shape = tuple(weights.variable(abstract, spec.path).get_value().shape)
       tensors[spec.hf_name] = np.full(shape[::-1] if spec.transpose else shape, 0.01, np.float32)
       weight_map[spec.hf_name] = file_name
     save_file(tensors, str(tmp_path / file_name))
     del tensors
   json.dump({"metadata": {}, "weight_map": weight_map},
             open(tmp_path / "model.safetensors.index.json", "w"))
-  json.dump(huggingface.config_to_hf(cfg), open(tmp_path / "config.json", "w"))
+  json.dump(hf_config.config_to_hf(cfg), open(tmp_path / "config.json", "w"))
   disk = sum(os.path.getsize(tmp_path / f) for f in os.listdir(tmp_path))
   result = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(tmp_path), REPO],
                           capture_output=True, text=True, check=True,
@@ -336,8 +336,8 @@ def _tokenizer_dir(path, special, template, generation_eos=None):
 def test_stop_ids_come_from_the_template_and_generation_config(tmp_path):
   ids = _tokenizer_dir(str(tmp_path), ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], CHATML,
                        generation_eos=[7, 3])
-  assert huggingface.end_of_turn_token(str(tmp_path)) == "<|im_end|>"
-  got = huggingface.stop_token_ids(str(tmp_path), {"eos_token_id": ids["<|endoftext|>"]})
+  assert hf_tokenizer.end_of_turn_token(str(tmp_path)) == "<|im_end|>"
+  got = hf_tokenizer.stop_token_ids(str(tmp_path), {"eos_token_id": ids["<|endoftext|>"]})
   assert got == (ids["<|endoftext|>"], 7, 3, ids["<|im_end|>"])
 
 
@@ -347,7 +347,7 @@ def test_llada_end_of_turn_is_found_after_the_assistant_message(tmp_path):
               "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}")
   ids = _tokenizer_dir(str(tmp_path), ["<|endoftext|>", "<|start_header_id|>",
                                        "<|end_header_id|>", "<|eot_id|>"], template)
-  assert huggingface.stop_token_ids(str(tmp_path), {"eos_token_id": 5}) == (5, ids["<|eot_id|>"])
+  assert hf_tokenizer.stop_token_ids(str(tmp_path), {"eos_token_id": 5}) == (5, ids["<|eot_id|>"])
 
 
 def test_diffucoders_padding_token_ends_the_answer(tmp_path):
@@ -355,5 +355,5 @@ def test_diffucoders_padding_token_ends_the_answer(tmp_path):
   # where the tokenizer has it, and absent from the others' stop tokens (the test above).
   ids = _tokenizer_dir(str(tmp_path), ["<|endoftext|>", "<|im_start|>", "<|im_end|>",
                                        "<|dlm_pad|>"], CHATML)
-  got = huggingface.stop_token_ids(str(tmp_path), {"eos_token_id": ids["<|endoftext|>"]})
+  got = hf_tokenizer.stop_token_ids(str(tmp_path), {"eos_token_id": ids["<|endoftext|>"]})
   assert got == (ids["<|endoftext|>"], ids["<|im_end|>"], ids["<|dlm_pad|>"])

@@ -22,8 +22,9 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from stabledrl_jax import (build, checkpointing, config_lib, export, lora, models, optim, rl,
-                           rollouts, sft, sharding, train)
+from stabledrl_jax import (build, checkpointing, config_lib, export, lora, models, objectives,
+                           optim, peft_format, rl, rollouts, sft, sharding, train)
+from stabledrl_jax.models import weights
 
 _REHEARSAL = Path(__file__).resolve().parent / "rehearsal_test.py"
 # Every linear layer of the family's official checkpoint, by PEFT name (LLaDA's `ff_out` also
@@ -82,7 +83,7 @@ def test_every_targeted_module_computes_wx_plus_scaled_bax_float64(family):
   assert head in found  # LLaDA: `ff_out` selects the head as PEFT's suffix rule does
   rng = np.random.default_rng(0)
   for name, path in lora.linear_modules(model.config).items():
-    linear = lora._module(model, path)
+    linear = weights.variable(model, path)
     w = np.asarray(linear.kernel[...], np.float64)  # [D_in, D_out]
     a = np.asarray(found[name].lora_a[...], np.float64)  # [D_in, r]
     b = np.asarray(found[name].lora_b[...], np.float64)  # [r, D_out]
@@ -193,12 +194,12 @@ def test_only_adapters_change_and_the_optimiser_holds_only_them(param_dtype):
   n = lora.num_params(model)
   assert sum(int(np.prod(np.shape(x))) for x in moments) == 2 * n
   assert n == 4 * sum(sum(k.shape) for k in (
-      lora._module(model, p).kernel[...] for p in lora.linear_modules(model.config).values()))
+      weights.variable(model, p).kernel[...] for p in lora.linear_modules(model.config).values()))
 
 
 def _assert_split_like_kernels(model) -> None:
   for name, adapter in lora.adapters(model).items():
-    kernel = lora._module(model, lora.linear_modules(model.config)[name]).kernel[...]
+    kernel = weights.variable(model, lora.linear_modules(model.config)[name]).kernel[...]
     spec = tuple(kernel.sharding.spec) + (None,) * 2
     assert tuple(adapter.lora_a[...].sharding.spec)[:1] in ((spec[0],), ()), name
     assert (tuple(adapter.lora_b[...].sharding.spec) + (None,))[1] == spec[1], name
@@ -246,22 +247,22 @@ def test_targets_follow_peft_matching():
 
 
 def test_peft_config_options_that_change_the_math_are_refused():
-  good = lora.peft_config(lora.LoraConfig(rank=8, alpha=16, dropout=0.05,
+  good = peft_format.peft_config(lora.LoraConfig(rank=8, alpha=16, dropout=0.05,
                                           targets=("v_proj", "q_proj")), "org/base")
   assert (good["r"], good["lora_alpha"], good["target_modules"]) == (8, 16, ["q_proj", "v_proj"])
-  assert lora.config_from_peft(good) == lora.LoraConfig(8, 16.0, 0.05, targets=("q_proj", "v_proj"))
+  assert peft_format.config_from_peft(good) == lora.LoraConfig(8, 16.0, 0.05, targets=("q_proj", "v_proj"))
   for key, value in (("use_dora", True), ("use_rslora", True), ("bias", "all"),
                      ("layers_to_transform", [0]), ("rank_pattern", {"q_proj": 4})):
     with pytest.raises(lora.AdapterError, match=f"adapter_config.json {key}=.* is not supported"):
-      lora.config_from_peft({**good, key: value})
+      peft_format.config_from_peft({**good, key: value})
   with pytest.raises(lora.AdapterError, match="peft_type='PREFIX_TUNING'"):
-    lora.config_from_peft({**good, "peft_type": "PREFIX_TUNING"})
+    peft_format.config_from_peft({**good, "peft_type": "PREFIX_TUNING"})
 
 
 def test_export_load_round_trip_and_errors_name_the_tensor(tmp_path):
   model = adapted("llada", rank=4, alpha=8.0)
   out = str(tmp_path / "adapter")
-  lora.export_peft(model, out, base_model_name_or_path="GSAI-ML/LLaDA-8B-Instruct")
+  peft_format.export_peft(model, out, base_model_name_or_path="GSAI-ML/LLaDA-8B-Instruct")
   config = json.load(open(os.path.join(out, "adapter_config.json")))
   assert config["target_modules"] == sorted(ALL["llada"]) and config["peft_type"] == "LORA"
   tensors = load_file(os.path.join(out, "adapter_model.safetensors"))
@@ -269,7 +270,7 @@ def test_export_load_round_trip_and_errors_name_the_tensor(tmp_path):
   assert tensors[head + ".lora_A.weight"].shape == (4, 64)
   assert tensors[head + ".lora_B.weight"].shape == (model.config.vocab_size, 4)
   fresh = models.create(model.config, seed=0)
-  assert lora.load_peft(fresh, out) == lora.config_of(model)
+  assert peft_format.load_peft(fresh, out) == lora.config_of(model)
   for name, value in params(model, lora.ADAPTER).items():
     np.testing.assert_array_equal(params(fresh, lora.ADAPTER)[name], value)
   path = os.path.join(out, "adapter_model.safetensors")
@@ -277,15 +278,15 @@ def test_export_load_round_trip_and_errors_name_the_tensor(tmp_path):
   save_file({**tensors, stray: np.zeros((4, 128), np.float32)}, path)
   with pytest.raises(lora.AdapterError, match=f"adapter tensor '{stray}' .* names no adapted "
                      "module or weight"):
-    lora.load_peft(models.create(model.config), out)
+    peft_format.load_peft(models.create(model.config), out)
   missing = head + ".lora_B.weight"
   save_file({k: v for k, v in tensors.items() if k != missing}, path)
   with pytest.raises(lora.AdapterError, match=f"adapter tensor '{missing}' is missing"):
-    lora.load_peft(models.create(model.config), out)
+    peft_format.load_peft(models.create(model.config), out)
   save_file({**tensors, missing: np.zeros((5, 4), np.float32)}, path)
   with pytest.raises(lora.AdapterError, match=rf"'{missing}' has shape \(5, 4\), expected "
                      rf"\({model.config.vocab_size}, 4\)"):
-    lora.load_peft(models.create(model.config), out)
+    peft_format.load_peft(models.create(model.config), out)
 
 
 # ----------------------------------------------------------------------------- slow: torch peft
@@ -332,11 +333,11 @@ def test_peft_round_trip_sdar_official_format(tmp_path):
   with torch.no_grad():
     want = made.eval()(torch.tensor(ids)).logits.numpy()
   model, _ = models.load_pretrained(str(ckpt), dtype="float32")
-  assert set(lora.load_peft(model, str(tmp_path / "theirs")).targets) == set(ALL["sdar"])
+  assert set(peft_format.load_peft(model, str(tmp_path / "theirs")).targets) == set(ALL["sdar"])
   assert len(lora.adapters(model)) == 7 * model.config.n_layers + 1
   got = np.asarray(logits(model, jnp.asarray(ids), attention="block_causal", block_size=1))
   assert np.abs(got - want).max() < 1e-4
-  lora.export_peft(model, str(tmp_path / "ours"), base_model_name_or_path=str(ckpt))
+  peft_format.export_peft(model, str(tmp_path / "ours"), base_model_name_or_path=str(ckpt))
   ours = load_file(str(tmp_path / "ours" / "adapter_model.safetensors"))
   theirs = load_file(str(tmp_path / "theirs" / "adapter_model.safetensors"))
   assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}
@@ -436,10 +437,10 @@ def test_peft_round_trip_llada_official_format(tmp_path):
   want = _llama_logits(_merged_state(made), hf, ids)
 
   model, _ = models.load_pretrained(str(ckpt), dtype="float32")
-  lora.load_peft(model, str(tmp_path / "theirs"))
+  peft_format.load_peft(model, str(tmp_path / "theirs"))
   got = np.asarray(logits(model, jnp.asarray(ids), attention="full"))
   assert np.abs(got - want).max() < 1e-4
-  lora.export_peft(model, str(tmp_path / "ours"), base_model_name_or_path=str(ckpt))
+  peft_format.export_peft(model, str(tmp_path / "ours"), base_model_name_or_path=str(ckpt))
   ours = load_file(str(tmp_path / "ours" / "adapter_model.safetensors"))
   assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}
   served = peft.PeftModel.from_pretrained(official(), str(tmp_path / "ours"))
@@ -450,7 +451,7 @@ def test_peft_round_trip_llada_official_format(tmp_path):
 def test_whole_weights_peft_saves_beside_the_adapters_replace_the_models(tmp_path):
   model = adapted("sdar", rank=2, alpha=2.0)
   out = str(tmp_path / "adapter")
-  lora.export_peft(model, out)
+  peft_format.export_peft(model, out)
   path = os.path.join(out, "adapter_model.safetensors")
   tensors = load_file(path)
   head = "base_model.model.lm_head.base_layer.weight"
@@ -458,13 +459,13 @@ def test_whole_weights_peft_saves_beside_the_adapters_replace_the_models(tmp_pat
   tensors[head] = tensors[head] + 1.0
   save_file(tensors, path)
   fresh = models.create(model.config, seed=0)
-  lora.load_peft(fresh, out)
+  peft_format.load_peft(fresh, out)
   np.testing.assert_array_equal(np.asarray(fresh.head.kernel[...]), tensors[head].T)
   resized = "base_model.model.model.embed_tokens.weight"  # a vocabulary grown in training
   save_file({**tensors, resized: np.zeros((130, 64), np.float32)}, path)
   with pytest.raises(lora.AdapterError, match=rf"'{resized}' has shape \(130, 64\), expected "
                      r"\(128, 64\)"):
-    lora.load_peft(models.create(model.config), out)
+    peft_format.load_peft(models.create(model.config), out)
 
 
 # ----------------------------------------------------------------------------- in a training run
@@ -489,8 +490,8 @@ def _seqs(c, model, rows: int = 4):
                                  block_size=c.sampler.block_length, mask_id=model.config.mask_token_id)
 
 
-def _objective(c) -> rl.Objective:
-  return dataclasses.replace(rl.Objective.from_config(c), group_size=2)
+def _objective(c) -> objectives.Objective:
+  return dataclasses.replace(objectives.Objective.from_config(c), group_size=2)
 
 
 def _moment_size(optimizer) -> int:
@@ -620,19 +621,22 @@ def test_export_writes_the_merged_model_and_the_adapter_alone(family, tmp_path):
   peft = json.load(open(os.path.join(adapter_dir, "adapter_config.json")))
   assert (peft["r"], peft["lora_alpha"], peft["base_model_name_or_path"]) == (4, 16, None)
   base = build.base_model(c, tokenizer)
-  assert set(lora.select(base.config, lora.load_peft(base, adapter_dir).targets)) == set(
+  assert set(lora.select(base.config, peft_format.load_peft(base, adapter_dir).targets)) == set(
       lora.adapters(model))
   np.testing.assert_allclose(np.asarray(logits(base, ids, **kw)), want, rtol=1e-6, atol=1e-6)
 
 
-def test_export_pretrained_of_an_adapted_model_writes_the_adapters_merged(tmp_path):
+def test_export_pretrained_refuses_adapters_and_writes_them_merged(tmp_path):
   model = adapted("sdar")
   ids = jax.random.randint(jax.random.key(0), (2, 12), 0, model.config.vocab_size)
   kw = attention_of("sdar")
   base = np.asarray(logits(models.create(tiny("sdar"), seed=0), ids, **kw))
   want = np.asarray(logits(model, ids, **kw))
   assert np.abs(want - base).max() > 0.1  # the adapters matter far above the tolerance below
-  models.export_pretrained(model, str(tmp_path / "hf"))
+  with pytest.raises(models.ExportError, match="LoRA adapters"):  # never the base alone
+    models.export_pretrained(model, str(tmp_path / "hf"))
+  assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
+  models.export_pretrained(lora.merge(nnx.clone(model)), str(tmp_path / "hf"))
   assert lora.adapters(model)  # the caller's model keeps them
   loaded, _ = models.load_pretrained(str(tmp_path / "hf"), dtype="float32")
   np.testing.assert_allclose(np.asarray(logits(loaded, ids, **kw)), want, rtol=1e-4, atol=1e-4)
@@ -643,7 +647,7 @@ def test_lora_init_starts_from_a_peft_adapter_and_a_disagreeing_rank_is_named(tm
   model = build.model(c, build.tokenizer(c))
   randomise(model)
   adapter = str(tmp_path / "adapter")
-  lora.export_peft(model, adapter)
+  peft_format.export_peft(model, adapter)
   started = run_config("llada")
   started.model.lora_init = adapter  # rank 0: the adapter's settings
   assert build.settings(started).lora == lora.LoraConfig(4, 8.0, 0.0, targets=("q_proj", "v_proj"))
@@ -691,7 +695,7 @@ def test_default_targets_are_the_projections_without_the_head():
     assert set(lora.select(model.config, lora.config_of(model).targets)) == names
   # d1's target list on LLaDA's names: PEFT adapts q, k, v and up_proj, and skips the rest.
   c = config_lib.config("llada", "8b_lora").unlock()
-  targets = lora.targets_from_config("llada", c.model.lora.targets)
+  targets = build.lora_targets("llada", c.model.lora.targets)
   assert {n.rsplit(".", 1)[-1] for n in lora.select(tiny("llada"), targets, strict=False)} == {
       "q_proj", "k_proj", "v_proj", "up_proj"}
   assert lora.unmatched(tiny("llada"), targets) == ["o_proj", "gate_proj", "down_proj"]

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from stabledrl_jax import likelihood, models
-from stabledrl_jax.models import huggingface
+from stabledrl_jax.models import hf_config
 
 # Dream-v0-Instruct-7B's added tokens (added_tokens.json), in order from <|endoftext|> = 151643;
 # the tiny tokenizer places them from BASE_VOCAB on, in the same order.
@@ -252,7 +252,7 @@ def test_the_released_format_loads_with_its_own_special_tokens(loaded):
 
 
 def test_the_7b_preset_is_the_released_config():
-  got = huggingface.config_from_hf(RELEASED_CONFIG)
+  got = hf_config.config_from_hf(RELEASED_CONFIG)
   want = models.dream_7b(compute_dtype="bfloat16")
   assert got == models.replace(want, stop_token_ids=(151643,))  # + <|im_end|> from the tokenizer
   assert want.stop_token_ids == (151643, 151645)
@@ -433,7 +433,7 @@ def test_a_bad_tensor_or_config_is_refused_in_one_line(dream_dir, tmp_path):
                           "expected (32,)")
   config = {**RELEASED_CONFIG, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
   with pytest.raises(ValueError, match="Dream rope_scaling .* is not supported"):
-    huggingface.config_from_hf(config)
+    hf_config.config_from_hf(config)
   with pytest.raises(ValueError, match="no q/k norm"):
     models.tiny(family="dream", block_size=None)
   with pytest.raises(ValueError, match="derives head_dim"):

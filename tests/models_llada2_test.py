@@ -12,7 +12,7 @@ from flax import nnx
 
 from stabledrl_jax import models
 from stabledrl_jax.models import moe
-from stabledrl_jax.models import huggingface as hf_lib
+from stabledrl_jax.models import hf_config
 
 
 @functools.partial(nnx.jit, static_argnames=("attention",))
@@ -247,10 +247,10 @@ def test_hf_export_is_the_released_format_and_round_trips(tmp_path):
 @pytest.mark.parametrize("key, value", [("use_bias", True), ("score_function", "softmax"),
                                         ("norm_topk_prob", False), ("use_qkv_bias", True)])
 def test_unsupported_released_options_are_refused_naming_the_key(key, value):
-  hf = hf_lib.config_to_hf(models.llada2_tiny())
+  hf = hf_config.config_to_hf(models.llada2_tiny())
   hf[key] = value
   with pytest.raises(ValueError, match=f"{key}={value!r}"):
-    hf_lib.config_from_hf(hf)
+    hf_config.config_from_hf(hf)
 
 
 def test_expert_parallel_logits_and_gradients_match_one_device():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from stabledrl_jax import config_lib
+from stabledrl_jax import config_lib, objectives
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -200,7 +200,7 @@ def test_8b_ar_is_the_8b_run_with_just_grpos_settings(tmp_path):
   ar_run.model.checkpoint = str(tmp_path)
   ar_run.task.source_dir = str(tmp_path)
   config_lib.validate(ar_run)
-  obj = rl.Objective.from_config(ar_run)
+  obj = objectives.Objective.from_config(ar_run)
   assert (obj.name, obj.scheme, obj.trajectory_shrink) == ("grpo", "trajectory", 1)
   assert obj.num_samples == ar_run.sampler.gen_length  # one forward per generated token
   assert obj.epsilon == 0.2 and obj.kl_coef == 0.0

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from stabledrl_jax import config_lib, models, optim, rl, rollouts
+from stabledrl_jax import config_lib, models, objectives, optim, rl, rollouts
 from tests.models_llada2_test import _randomise
 
 B, PROMPT, N = 4, 4, 8
@@ -33,7 +33,7 @@ def test_routing_replay_ratio_ignores_a_routing_flip_and_the_router_stays_frozen
 
   @nnx.jit
   def log_ratios(model, batch):  # KL k1 of the ratio, without and with replay
-    return [rl.policy_loss(model, batch, jax.random.key(0), obj)[1]["kl_k1"]
+    return [objectives.policy_loss(model, batch, jax.random.key(0), obj)[1]["kl_k1"]
             for obj in (plain, replay)]
 
   assert [float(x) for x in log_ratios(model, batch)] == [0.0, 0.0]

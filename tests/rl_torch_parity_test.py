@@ -18,7 +18,8 @@ import optax
 import pytest
 from flax import nnx
 
-from stabledrl_jax import config_lib, likelihood, losses, models, optim, rl, rollouts, sft, train
+from stabledrl_jax import (config_lib, likelihood, losses, models, objectives, optim, rollouts,
+                           sft, train)
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
@@ -69,8 +70,8 @@ def _seqs(seed):
                               as_j(counted))
 
 
-_behaviour = nnx.jit(rl.behaviour_logp, static_argnames="obj")  # jitted: eager is slower
-_draw = jax.jit(rl._draw_masks, static_argnames="obj")
+_behaviour = nnx.jit(objectives.behaviour_logp, static_argnames="obj")  # jitted: eager is slower
+_draw = jax.jit(objectives._draw_masks, static_argnames="obj")
 
 
 def _named(m):
@@ -310,21 +311,21 @@ def test_one_rl_update_matches_torch_autograd(family):
   rewards[:G] = [1, 0, 0, 1]  # both groups carry signal
   adv = losses.group_advantages(jnp.asarray(rewards, jnp.float32), group_size=G)
   base = dataclasses.replace(  # the default config's objective, then this test's shapes
-      rl.Objective.from_config(config_lib.base_config("sdar")), group_size=G,
+      objectives.Objective.from_config(config_lib.base_config("sdar")), group_size=G,
       scheme="block_t" if block else "block_random", num_samples=2,
       p_mask_prompt=0.0 if block else 0.5, block_size=BS, staircase=block)
-  objectives = {
+  objs = {
       "stabledrl": dataclasses.replace(base, name="stabledrl", epsilon=0.02),
       "stabledrl_spg": dataclasses.replace(base, name="stabledrl_spg", coupling="independent",
                                            max_ratio=1.02),
       "grpo": dataclasses.replace(base, name="grpo", epsilon=0.1),
   }
   if family == "llada2":  # the mixture of experts: the default objective (the others share it)
-    objectives = {"stabledrl": objectives["stabledrl"]}
-  for seed, (name, obj) in enumerate(objectives.items()):
+    objs = {"stabledrl": objs["stabledrl"]}
+  for seed, (name, obj) in enumerate(objs.items()):
     k_old, k_new = jax.random.split(jax.random.key(10 + seed))
     masks, logp_old, _, _, _ = _behaviour(old, seqs, k_old, obj)
-    batch = rl.RLBatch(seqs, adv, masks.noised_BxMxL, masks.weight_BxMxL, logp_old,
+    batch = objectives.RLBatch(seqs, adv, masks.noised_BxMxL, masks.weight_BxMxL, logp_old,
                        jnp.zeros_like(logp_old))
     new = _draw(k_new, seqs, obj) if obj.coupling == "independent" else masks
     lp_old = _t_logp(w_old, cfg, family, seqs, masks.noised_BxMxL)
@@ -341,7 +342,7 @@ def test_one_rl_update_matches_torch_autograd(family):
                      masks.noised_BxMxL, seqs.counted_BxL, rewards, obj)
 
     _check_step(start, t_loss, lambda clip: _project_step(
-        model, lambda m: rl.policy_loss(m, batch, k_new, obj)[0], clip))
+        model, lambda m: objectives.policy_loss(m, batch, k_new, obj)[0], clip))
     if name != "grpo":  # the clip was active on some rows and not on others
       with torch.no_grad():
         lp_start = _t_logp({k: _t(v) for k, v in start.items()}, cfg, family, seqs,
@@ -421,7 +422,8 @@ def test_one_stabledrl_update_with_complementary_or_trajectory_masks_matches_tor
   commit = _commit_steps(family, steps, seed=10)
   seqs = seqs._replace(commit_step_BxL=jnp.asarray(commit))
   obj = dataclasses.replace(
-      rl.Objective.from_config(config_lib.base_config(family)), name="stabledrl", group_size=G,
+      objectives.Objective.from_config(config_lib.base_config(family)), name="stabledrl",
+      group_size=G,
       scheme=scheme, num_samples=forwards if scheme == "trajectory" else 2, coupling="coupled",
       trajectory_shrink=shrink, p_mask_prompt=0.0, block_size=BS, staircase=family == "sdar",
       epsilon=0.1 if scheme == "trajectory" else 0.02)  # a sum over the tokens, not a mean
@@ -434,7 +436,7 @@ def test_one_stabledrl_update_with_complementary_or_trajectory_masks_matches_tor
     np.testing.assert_array_equal(noised[:, 0] ^ noised[:, 1], np.asarray(seqs.completion_BxL))
   lp_old = _t_logp(w_old, cfg, family, seqs, noised)
   np.testing.assert_allclose(logp_old, lp_old.numpy(), rtol=1e-4, atol=1e-4)  # same states
-  batch = rl.RLBatch(seqs, adv, masks.noised_BxMxL, masks.weight_BxMxL, logp_old,
+  batch = objectives.RLBatch(seqs, adv, masks.noised_BxMxL, masks.weight_BxMxL, logp_old,
                      jnp.zeros_like(logp_old))
   counted = np.asarray(seqs.counted_BxL)
 
@@ -444,7 +446,7 @@ def test_one_stabledrl_update_with_complementary_or_trajectory_masks_matches_tor
                    counted, rewards, obj)
 
   _check_step(start, t_loss, lambda clip: _project_step(
-      model, lambda m: rl.policy_loss(m, batch, key, obj)[0], clip))
+      model, lambda m: objectives.policy_loss(m, batch, key, obj)[0], clip))
   with torch.no_grad():  # the clip was active on some rows and not on others
     lp_start = _t_logp({k: _t(v) for k, v in start.items()}, cfg, family, seqs, noised)
   log_ratio = ((_t(weights) * (lp_start - lp_old)).sum(-1).mean(-1)).numpy()

@@ -11,7 +11,7 @@ import optax
 import pytest
 from flax import nnx
 
-from stabledrl_jax import config_lib, models, optim, rl, rollouts, sharding
+from stabledrl_jax import config_lib, models, objectives, optim, rl, rollouts, sharding
 
 OPTIONS = {
     "remat_dots": dict(remat=True, remat_policy="dots"),
@@ -31,7 +31,7 @@ def one_rl_step(tx=None, offload=False, **options):
   opt = nnx.Optimizer(model, tx or optax.chain(optax.sgd(1.0)), wrt=nnx.Param)
   if offload:
     optim.offload(opt)
-  obj = dataclasses.replace(rl.Objective.from_config(config_lib.base_config("sdar")),
+  obj = dataclasses.replace(objectives.Objective.from_config(config_lib.base_config("sdar")),
                             group_size=2, scheme="block_t", num_samples=2, block_size=4,
                             staircase=True)
   rng = np.random.default_rng(0)

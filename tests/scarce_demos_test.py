@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from stabledrl_jax import build, config_lib, losses, models, rl, train
+from stabledrl_jax import build, config_lib, losses, models, objectives, train
 from stabledrl_jax.tasks import datasets
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -85,9 +85,9 @@ def test_rejection_sampling_loss_is_sft_on_the_correct_rollouts():
 def test_rft_objective_weights_the_rollouts_that_reach_the_reward():
   c = config_lib.base_config("sdar")
   c.rl.objective, c.rl.rft_min_reward = "rft", 0.75
-  obj = rl.Objective.from_config(c)
+  obj = objectives.Objective.from_config(c)
   assert obj.spec.weights == "correct" and obj.rft_min_reward == 0.75
-  assert rl.OBJECTIVES["stabledrl"].weights == "advantage"
+  assert objectives.OBJECTIVES["stabledrl"].weights == "advantage"
 
 
 def _bench():

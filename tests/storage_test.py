@@ -118,7 +118,7 @@ LOAD_SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     from jax.sharding import Mesh
     from stabledrl_jax import models
-    from stabledrl_jax.models import huggingface
+    from stabledrl_jax.models import weights
     from tests.huggingface_scaling_test import pattern
     c = config_lib.base_config("sdar")
     c.model.checkpoint = hf_dir
@@ -136,8 +136,8 @@ LOAD_SCRIPT = textwrap.dedent("""
       bad_bucket = str(e)
     mesh = Mesh(np.array(jax.devices()), ("fsdp",))
     model, cfg = models.load_pretrained(hf_dir, dtype="float32", mesh=mesh)
-    for k, spec in enumerate(huggingface.weight_specs(cfg)):
-      value = huggingface._variable(model, spec.path).get_value()
+    for k, spec in enumerate(weights.weight_specs(cfg)):
+      value = weights.variable(model, spec.path).get_value()
       hf_shape = value.shape[::-1] if spec.transpose else value.shape
       for shard in value.addressable_shards:
         index = shard.index[::-1] if spec.transpose else shard.index
@@ -182,6 +182,23 @@ def test_two_processes_load_a_bucket_checkpoint_reading_their_own_rows_and_a_buc
     assert [e["question"] for e in r["examples"]] == [row["question"] for row in rows]
     assert sorted(r["gsm8k"]) == sorted(row["question"] for row in gsm8k)
     assert r["bad_bucket"].startswith("gs://nobucket/run: no bucket gs://nobucket"), r["bad_bucket"]
+  no_gs_directory(REPO, tmp_path)
+
+
+def test_a_bucket_the_credentials_cannot_reach_is_one_line_naming_the_workdir(tmp_path):
+  """No credentials (the service answers 401 to an anonymous caller): the run stops before its
+  first step with one line naming the workdir, and writes nothing."""
+  with gcs_emulator.running() as gcs:
+    gcs.refuse_anonymous()
+    out = gcs.run(main_cmd(SMOKE, gcs.url("run")), capture_output=True, text=True, timeout=300,
+                  cwd=REPO)
+    assert out.returncode != 0
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out.stderr[-3000:]
+    assert errors[0].startswith(f"error: {gcs.url('run')}: "), errors
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    gcs.refuse_anonymous(False)
+    assert not any(gcs.objects.iterdir())
   no_gs_directory(REPO, tmp_path)
 
 
