@@ -41,7 +41,9 @@ def check_bucket(p: str | os.PathLike) -> None:
     found = epath.Path(bucket).exists()
   except Exception as e:  # credentials, network: whatever the client raises
     text = (str(e).splitlines() or [""])[0]
-    raise FileNotFoundError(f"{p}: cannot reach bucket {bucket} ({type(e).__name__}: {text})") from e
+    raise FileNotFoundError(f"{p}: cannot reach bucket {bucket} ({type(e).__name__}: {text}); "
+                            "check the network and the credentials (gcloud auth "
+                            "application-default login)") from e
   if not found:
     raise FileNotFoundError(f"{p}: no bucket {bucket}, or no access to it (check its name and the "
                             "credentials: gcloud auth application-default login)")
