@@ -14,7 +14,8 @@ ratio| (`log10_ratio_max`), the mean clip fraction, and explosion steps (the lar
 gradient norm of a step non-finite or above 10x the running median, `bench/objectives.py`).
 `--record` writes the table, one row per run and one per arm (mean and max - min over the
 seeds), to docs/results/DATE_llada2_routing_replay.json, which `bench/report.py` renders into
-docs/llada2.md. Extra flags after `--` go to every run.
+docs/llada2.md; `--read_only` starts nothing and tables the finished runs (an unfinished one is
+named in the notes). Extra flags after `--` go to every run.
 """
 from __future__ import annotations
 
@@ -102,11 +103,14 @@ def run_all(workdirs: dict, parallel: int, extra: list[str]) -> None:
 def table(results: dict) -> list[list[str]]:
   rows = []
   for arm in ARMS:
-    runs = {s: r for (a, s), r in results.items() if a == arm}
+    runs = {s: r for (a, s), r in results.items() if a == arm and r is not None}
+    if not runs:
+      continue
     for seed, r in sorted(runs.items()):
       rows.append([arm, str(seed), str(r["sft_steps"]),
                    f"{r['before']:.3f} ({r['before_reward']:.3f})",
-                   f"{r['after']:.3f} ({r['after_reward']:.3f})", f"{r['after'] - r['before']:+.3f}",
+                   f"{r['after']:.3f} ({r['after_reward']:.3f})",
+                   f"{r['after'] - r['before']:+.3f}",
                    f"{r['log10_ratio_mean']:.4f} / {r['log10_ratio_top']:.4f}",
                    f"{r['clip_fraction']:.3f}", str(r["explosions"])])
     gains = [r["after"] - r["before"] for r in runs.values()]
@@ -134,13 +138,15 @@ def main() -> None:
   p.add_argument("--parallel", type=int, default=1)
   p.add_argument("--record", action="store_true",
                  help="write docs/results/DATE_llada2_routing_replay.json")
+  p.add_argument("--read_only", action="store_true", help="start nothing; table the finished runs")
   p.add_argument("extra", nargs="*", help="more flags for main, after --")
   args = p.parse_args()
   seeds = [int(s) for s in args.seeds.split(",")]
   workdirs = {(arm, s): os.path.join(args.root, f"{arm.replace(' ', '_')}_seed{s}")
               for arm in ARMS for s in seeds}
   started = datetime.datetime.now(datetime.timezone.utc)
-  run_all(workdirs, args.parallel, args.extra)
+  if not args.read_only:
+    run_all(workdirs, args.parallel, args.extra)
   results = {k: summary(w) for k, w in workdirs.items()}
   rows = table(results)
   print(" | ".join(COLUMNS))
@@ -155,10 +161,13 @@ def main() -> None:
                        "--record" + (" -- " + " ".join(args.extra) if args.extra else "")),
            "commit": commit,
            "machine": f"the {os.cpu_count()}-core CPU VM, {args.parallel} runs at a time",
-           "date": f"{started:%Y-%m-%d %H:%M}-{datetime.datetime.now(datetime.timezone.utc):%H:%M} UTC",
+           "date": (f"{started:%Y-%m-%d %H:%M}-"
+                    f"{datetime.datetime.now(datetime.timezone.utc):%H:%M} UTC"),
            "notes": "60 StableDRL RL steps after SFT stopped at 30% validation accuracy (the main "
                     "job's settings); accuracy = exactly sorted, 256 held-out strings, greedy; "
-                    "both arms of a seed share their SFT; spread = max - min over the seeds",
+                    "both arms of a seed share their SFT; spread = max - min over the seeds"
+                    + "".join(f"; {a}, seed {s_}: not finished" for (a, s_), r in results.items()
+                              if r is None),
            "runs": {f"{a}/seed{s}": r for (a, s), r in results.items()}}
     path = os.path.join(REPO, "docs", "results", f"{started:%Y-%m-%d}_llada2_routing_replay.json")
     with open(path, "w") as f:
