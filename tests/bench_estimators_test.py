@@ -171,8 +171,8 @@ def test_load_run_names_a_missing_sft_step(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_script_measures_every_scheme_on_random_tiny_models(tmp_path):
-  env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}
+def test_the_script_measures_every_scheme_on_random_tiny_models(tmp_path, jax_cache_env):
+  env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", **jax_cache_env}
   out = subprocess.run([sys.executable, _PATH, "--smoke", f"--root={tmp_path}", "--prompts=1",
                         "--budgets=2", "--draws=3", "--grad_draws=2", "--reference_samples=8",
                         "--repeats=1"], cwd=REPO, env=env, capture_output=True, text=True,

@@ -134,8 +134,8 @@ TINY = ("--config.model.n_layers=1", "--config.model.d_model=32", "--config.mode
 
 
 @pytest.mark.slow
-def test_the_script_runs_rl_from_one_sft_checkpoint(tmp_path):
-  env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}
+def test_the_script_runs_rl_from_one_sft_checkpoint(tmp_path, jax_cache_env):
+  env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", **jax_cache_env}
   out = subprocess.run([sys.executable, _PATH, f"--root={tmp_path}", "--seeds=0",
                         "--objectives=stabledrl,grpo", "--regimes=noisy", "--rl_steps=2",
                         "--parallel=2", "--", *TINY], cwd=REPO, env=env, capture_output=True,

@@ -81,8 +81,11 @@ def test_smoke_preset_trains_end_to_end(config, tmp_path):
 def test_kill_9_mid_rl_then_rerun_matches_an_uninterrupted_run_and_keeps_the_kl_reference(tmp_path):
   # SIGKILL once step 7's checkpoint exists (RL: steps 6-11), rerun: it resumes at step 8. With a
   # KL term the resumed steps match only if the reference is still the RL-start model, reloaded
-  # from disk, not the resumed one.
-  config, kl = "configs/sdar.py:smoke", ("--config.rl.objective=grpo", "--config.rl.kl_coef=0.5")
+  # from disk, not the resumed one. On the mixture of experts (LLaDA2.0), with routing replay and
+  # its frozen router: the other families' resumes are storage_test's, distributed_test's and
+  # lora_test's.
+  config = "configs/llada2.py:smoke"
+  kl = ("--config.rl.objective=grpo", "--config.rl.kl_coef=0.5", "--config.rl.routing_replay=true")
   straight = tmp_path / "straight"
   out = run_main(config, straight, *kl)
   assert out.returncode == 0, out.stderr[-3000:]
