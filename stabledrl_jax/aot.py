@@ -13,9 +13,9 @@ optimiser holds their moments alone, as in training.
 `--topology=cpu:N` compiles for N local CPU devices instead (for tests; HBM from `--hbm_gib`).
 
 The model shapes come from `model.checkpoint`'s config.json when that directory exists, else (a
-path not on this host, as in the `8b` / `7b` presets) from the family's checkpoint preset
-(`CHECKPOINT_PRESETS`: `models.llada_8b`, `models.sdar_8b`, `models.dream_7b`), else from the
-config's own tiny model.
+path not on this host, as in the `8b` / `7b` / `mini` / `flash` presets) from the config's
+`model.preset` (`models.llada_8b`, `models.sdar_8b`, `models.dream_7b`, `models.llada2_mini`,
+`models.llada2_flash`), else from the config's own tiny model.
 """
 from __future__ import annotations
 
@@ -42,9 +42,6 @@ PROGRAMS = ("rl_step", "sampler")
 HBM_GIB = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5e": 16, "TPU v5": 95, "TPU v5p": 95,
            "TPU v6 lite": 32, "TPU v6e": 32, "TPU7x": 192}
 GIB = 2**30
-# The model preset of each family's checkpoint config preset (`8b`, `7b`).
-CHECKPOINT_PRESETS = {"llada": "llada_8b", "sdar": "sdar_8b", "dream": "dream_7b",
-                      "llada2": "llada2_mini"}
 
 
 def topology_devices(name: str) -> list:
@@ -68,8 +65,8 @@ def model_config(c) -> models.ModelConfig:
     cfg = models.config_from_hf(models.huggingface.read_hf_config(c.model.checkpoint),
                                 compute_dtype=c.model.compute_dtype, param_dtype=c.model.param_dtype)
     return models.replace(cfg, **models.runtime_options(c.model))
-  if c.model.checkpoint:  # the 8b / 7b presets, with a checkpoint path that is not on this host
-    return models.preset(CHECKPOINT_PRESETS[c.family], compute_dtype=c.model.compute_dtype,
+  if c.model.checkpoint:  # a checkpoint preset, with a checkpoint path that is not on this host
+    return models.preset(c.model.preset, compute_dtype=c.model.compute_dtype,
                          param_dtype=c.model.param_dtype, **models.runtime_options(c.model))
   return nnx.eval_shape(lambda: build.model(c, build.tokenizer(c))).config
 

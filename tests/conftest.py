@@ -87,7 +87,6 @@ def pytest_handlecrashitem(crashitem, report, sched):  # pylint: disable=unused-
 def pytest_xdist_make_scheduler(config, log):
   if config.getvalue("dist") != "loadfile":
     return None
-  config.option.loadscopereorder = False  # the files in collection order: see below
   from xdist.scheduler import LoadFileScheduling  # pylint: disable=import-outside-toplevel
 
   class Scheduling(LoadFileScheduling):
@@ -101,23 +100,6 @@ def pytest_xdist_make_scheduler(config, log):
             other.shutdown()
 
   return Scheduling(config, log)
-
-
-# xdist hands out test files in order, by default those with the most tests first: the heaviest
-# files (a few long tests each) came last, one worker running them while the other idled. The
-# heaviest go first instead (their tests' summed time in a run on 2 cores, 2026-12-07: 330 s
-# down to 109 s), then the others, those with the most tests first.
-HEAVIEST_FILES = ("distributed_test.py", "train_test.py", "lora_test.py",
-                  "estimators_trajectory_test.py", "rehearsal_test.py", "storage_test.py",
-                  "fast_decoding_test.py", "rl_torch_parity_test.py", "samplers_test.py",
-                  "bench_estimators_test.py")
-
-
-def pytest_collection_modifyitems(items):
-  count = collections.Counter(item.path.name for item in items)
-  rank = {name: i for i, name in enumerate(HEAVIEST_FILES)}
-  items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -count[item.path.name],
-                               item.path.name))
 
 
 def pytest_report_teststatus(report):
