@@ -16,7 +16,10 @@ _CACHE_VARS = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TI
 if "STABLEDRL_TEST_JAX_CACHE" in os.environ:  # an xdist worker: the cache is not for this process
   for _var in _CACHE_VARS:
     os.environ.pop(_var, None)
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# XLA's CPU backend without its expensive LLVM optimisations: the tests' programs are tiny, so
+# compiling them is most of their cost (a test file of many small programs: 149 s -> 113 s).
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests import the package from the checkout without installing it.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

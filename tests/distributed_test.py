@@ -66,15 +66,13 @@ def test_two_processes_train_and_match_one_process_on_as_many_devices(tmp_path, 
 PREEMPTED = "preempted at step {}: saved; rerun the same command to resume"
 
 
-def start_processes(workdir, cache, popen=subprocess.Popen, env=None):
-  """The launcher's two processes, started here (with `popen`) so that a test can signal one."""
+def start_processes(workdir, popen=subprocess.Popen, env=None):
+  """The launcher's two processes, started here (with `popen`) so that a test can signal one.
+  They load the programs the launcher's runs compiled (the suite's compilation cache)."""
   sys.path.insert(0, str(REPO / "launch"))
   import local
   env = {**(env or os.environ), "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-         # the reruns load the first run's programs instead of compiling them again
-         "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
   return [popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
           for cmd in local.commands(2, local.free_port(), 30, [f"--config={SMOKE}", f"--workdir={workdir}"])]
 
@@ -98,19 +96,19 @@ def test_a_signalled_process_makes_both_save_one_step_and_exit_0_and_the_reruns_
   # SIGTERM to process 1 in SFT (steps 0-5), SIGINT to process 0 in RL (steps 6-11): each time both
   # processes save the step in flight (no checkpoint is due there: every 4 steps), the rerun
   # resumes after it, and the metrics end as the uninterrupted run's, exactly (same two processes).
-  want, run, cache = read_jsonl(two_processes[0] / "metrics.jsonl"), tmp_path / "run", tmp_path / "xla"
-  out = signal_at(start_processes(run, cache), run, 1, signal.SIGTERM, victim=1)
+  want, run = read_jsonl(two_processes[0] / "metrics.jsonl"), tmp_path / "run"
+  out = signal_at(start_processes(run), run, 1, signal.SIGTERM, victim=1)
   sft_step = max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
   assert 1 <= sft_step < 5, "preempted outside SFT's steps 1-4"
   assert out.splitlines().count(PREEMPTED.format(sft_step)) == 1 and out.count("preempted") == 1, out
 
-  out = signal_at(start_processes(run, cache), run, 8, signal.SIGINT, victim=0)
+  out = signal_at(start_processes(run), run, 8, signal.SIGINT, victim=0)
   rl_step = max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
   assert f"at step {sft_step + 1}/12" in out and PREEMPTED.format(rl_step) in out, out
   assert 8 <= rl_step < 11 and out.count("preempted") == 1, "preempted outside RL's steps 8-10"
   assert strip_timing(read_jsonl(run / "metrics.jsonl")) == strip_timing(want[:rl_step + 1])
 
-  procs = start_processes(run, cache)
+  procs = start_processes(run)
   outs = [p.communicate(timeout=600) for p in procs]
   assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:]
   assert f"at step {rl_step + 1}/12" in outs[0][0] and "preempted" not in outs[0][0]
