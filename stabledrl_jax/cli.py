@@ -25,6 +25,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from stabledrl_jax import build, checkpointing, config_lib, distributed, run_record, storage
+from stabledrl_jax.models.config import FAMILIES
 
 _WORKDIR_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workdir_config.py")
 
@@ -63,8 +64,8 @@ def parse_flags(argv: list[str]) -> list[str]:
     if arg.startswith("--config="):
       path = arg.split("=", 1)[1].partition(":")[0]
       if not os.path.isfile(path):
-        sys.exit(f"error: {arg}: no such file (the project's own: configs/llada.py, "
-                 "configs/sdar.py, configs/dream.py)")
+        own = ", ".join(f"configs/{family}.py" for family in FAMILIES)
+        sys.exit(f"error: {arg}: no such file (the project's own: {own})")
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:

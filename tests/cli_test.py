@@ -1,5 +1,6 @@
 """Tests for stabledrl_jax.cli: a mistyped config key is one readable line naming it."""
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -33,8 +34,11 @@ def test_a_policy_of_another_family_or_without_checkpoints_is_one_line(tmp_path)
 def test_an_unknown_preset_or_config_file_is_one_line():
   from stabledrl_jax import cli
   with pytest.raises(SystemExit, match=r"^error: --config=configs/nope.py: no such file \(the "
-                     r"project's own: configs/llada.py, configs/sdar.py, configs/dream.py\)$"):
+                     r"project's own: (.*)\)$") as e:
     cli.parse_flags(["prog", "--config=configs/nope.py"])
+  named = re.search(r"own: (.*)\)$", str(e.value)).group(1).split(", ")
+  assert sorted(named) == sorted(f"configs/{p.name}" for p in (ROOT / "configs").glob("*.py")
+                                 if p.name != "__init__.py")
   out = subprocess.run([sys.executable, "-m", "stabledrl_jax.main", "--config=configs/sdar.py:smok"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
   (line,) = out.stderr.strip().splitlines()
