@@ -99,7 +99,8 @@ def llada2(c: ml_collections.ConfigDict, preset: str) -> None:
   checkpoint presets' shared settings (StableDRL's GSM8K run). Rollouts decode as the released
   `generate` defaults (modeling_llada2_moe.py): blocks of 32, 32 steps a block, every masked
   token above 0.95 committed (at least the scheduled count); the expert router frozen
-  (model.train_router). Not checked: the memory fit (docs/scaling.md has no LLaDA2.0 row)."""
+  (model.train_router). Fits ahead of time (docs/llada2.md): mini with LoRA on v6e-8, flash with
+  LoRA on v5p-16; mini's full fine-tuning fits neither v5p-8 nor v5p-16."""
   c.model.preset = "llada2_mini" if preset == "mini" else "llada2_flash"
   c.model.moe_impl = "ragged_dot"  # grouped kernels of the accelerators
   c.sampler.block_length, c.sampler.steps = 32, 32
