@@ -136,7 +136,8 @@ def sdar_sampling():
 @pytest.fixture
 def objective():
   """`objectives.Objective.from_config` of a default config (`family`, SDAR unless given) with
-  config keys changed, e.g. `objective(**{"rl.objective": "grpo"})`, then fields replaced by keyword."""
+  config keys changed, e.g. `objective(**{"rl.objective": "grpo"})`, then fields replaced by
+  keyword."""
   def make(family: str = "sdar", config: dict | None = None, **fields) -> objectives.Objective:
     obj = objectives.Objective.from_config(_config(family, config or {}))
     return dataclasses.replace(obj, **fields)
