@@ -49,7 +49,8 @@ def export(c, model, out_dir: str | os.PathLike, *, dtype: str | None = None, re
                            max_shard_bytes=max_shard_bytes,
                            source_dir=c.model.checkpoint or None, replace=replace)
   if adapted:
-    peft_format.export_peft(model, adapter_dir(out_dir), base_model_name_or_path=c.model.checkpoint or None)
+    peft_format.export_peft(model, adapter_dir(out_dir),
+                            base_model_name_or_path=c.model.checkpoint or None)
   return out_dir
 
 

@@ -63,18 +63,20 @@ class Emulator:
   def lose_bucket(self, gone: bool = True) -> None:
     """From now on every request about the bucket gets the service's 404 for a deleted bucket
     (its objects kept, so that `lose_bucket(False)` brings it back as it was)."""
-    if gone:
-      self.gone_flag.touch()
-    else:
-      self.gone_flag.unlink(missing_ok=True)
+    _set(self.gone_flag, gone)
 
   def refuse_anonymous(self, refuse: bool = True) -> None:
     """From now on a request without an `Authorization` header gets the service's 401 for an
     anonymous caller: what a client without credentials meets (the clients here send none)."""
-    if refuse:
-      self.locked_flag.touch()
-    else:
-      self.locked_flag.unlink(missing_ok=True)
+    _set(self.locked_flag, refuse)
+
+
+def _set(flag: pathlib.Path, on: bool) -> None:
+  """The proxy reads its switches from files: `flag` exists iff `on`."""
+  if on:
+    flag.touch()
+  else:
+    flag.unlink(missing_ok=True)
 
 
 def client_env(base: dict, endpoint: str, cloudsdk_config: str) -> dict:
