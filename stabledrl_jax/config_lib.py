@@ -201,6 +201,10 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   # each update (same numbers): 3.2 GiB less per chip for LLaDA-8B on v6e-8 (docs/scaling.md,
   # ahead-of-time fit check), at the cost of two host-device copies per update.
   c.optim.offload_state = False
+  # True: every RL update also logs the L2 norms of the parameters' change (`update_norm`), of the
+  # parameters and of Adam's two moments, in total and per parameter group (`update_norm/attn`,
+  # ...): what moved first when a run breaks down. Costs the trainable parameters' size in memory.
+  c.optim.update_norms = False
 
   c.sampler = ml_collections.ConfigDict()
   c.sampler.gen_length = 12      # sorting: <answer>, 8 digits, </answer>, the stop token, a spare
@@ -368,7 +372,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   for key in ("model.param_dtype", "optim.moment_dtype"):
     if c[key.split(".")[0]][key.split(".")[1]] not in ("float32", "bfloat16"):
       bad(key, "expected float32 or bfloat16")
-  for key in ("optim.offload_state", "eval.fast"):
+  for key in ("optim.offload_state", "optim.update_norms", "eval.fast"):
     if not isinstance(c[key.split(".")[0]][key.split(".")[1]], bool):
       bad(key, "expected True or False")
   if c.task.prompt_style not in ("compact", "plain"):

@@ -131,16 +131,55 @@ def all_finite(tree) -> jax.Array:
   return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
-def apply(model, optimizer: nnx.Optimizer, grads, **extra_args) -> dict[str, jax.Array]:
+def group(path) -> str:
+  """A parameter's group for `update_norms`: its module's name below the layer stack, the layer
+  index dropped (`blocks/3/attn/q_proj/kernel` -> `attn`, `embed/embedding` -> `embed`)."""
+  names = [str(getattr(k, "key", k)) for k in path]
+  return next(n for n in names if not n.isdigit() and n not in ("blocks", "layers"))
+
+
+def _norms(tree, prefix: str) -> dict[str, jax.Array]:
+  """`prefix` -> the L2 norm of `tree` (a pure dict of arrays), `prefix/<group>` -> each group's."""
+  squares: dict[str, jax.Array] = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    g = group(path)
+    squares[g] = squares.get(g, 0.0) + jnp.sum(jnp.square(x.astype(jnp.float32)))
+  out = {f"{prefix}/{g}": jnp.sqrt(s) for g, s in sorted(squares.items())}
+  return {prefix: jnp.sqrt(sum(squares.values())), **out}
+
+
+def update_norms(before, after, optimizer: nnx.Optimizer) -> dict[str, jax.Array]:
+  """Diagnostics of one update (`optim.update_norms`): the L2 norm of the parameters' change
+  (`update_norm`), of the parameters (`param_norm`) and of Adam's two moments (`adam_mu_norm`,
+  `adam_nu_norm`), each also per parameter group (`group`). `before`, `after`: the trainable
+  parameters as pure dicts (`nnx.to_pure_dict`)."""
+  delta = jax.tree.map(lambda a, b: a.astype(jnp.float32) - b.astype(jnp.float32), after, before)
+  adam = [x for x in jax.tree.leaves(optimizer.opt_state,
+                                     is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+          if isinstance(x, optax.ScaleByAdamState)]
+  out = {**_norms(delta, "update_norm"), **_norms(after, "param_norm")}
+  if len(adam) == 1:  # make_optimizer's (a custom optax transformation may have none)
+    out.update(_norms(nnx.to_pure_dict(adam[0].mu), "adam_mu_norm"))
+    out.update(_norms(nnx.to_pure_dict(adam[0].nu), "adam_nu_norm"))
+  return out
+
+
+def apply(model, optimizer: nnx.Optimizer, grads, *, norms: bool = False,
+          **extra_args) -> dict[str, jax.Array]:
   """One optimiser update; the step's `grad_norm`, `skipped` (non-finite gradient) and `lr` (the
-  rate applied, where `learning_rate` knows it). Moments in host memory (`offload`) are copied to
-  the accelerator for the update and back after it."""
+  rate applied, where `learning_rate` knows it), and with `norms` the `update_norms` diagnostics
+  (they hold the old parameters until the new ones exist: the trainable parameters' size more
+  memory). Moments in host memory (`offload`) are copied to the accelerator for the update and
+  back after it."""
   on_host = jax.tree.map(_on_host, nnx.state(optimizer))
   moved = lambda space: jax.tree.map(
       lambda x, h: jax.device_put(x, space) if h else x, nnx.state(optimizer), on_host)
   nnx.update(optimizer, moved(jax.memory.Space.Device))
+  before = nnx.to_pure_dict(nnx.state(model, optimizer.wrt)) if norms else None
   optimizer.update(model, grads, **extra_args)
-  nnx.update(optimizer, moved(jax.memory.Space.Host))
   out = {"grad_norm": optax.tree.norm(grads), "skipped": ~all_finite(grads)}
+  if norms:
+    out.update(update_norms(before, nnx.to_pure_dict(nnx.state(model, optimizer.wrt)), optimizer))
+  nnx.update(optimizer, moved(jax.memory.Space.Host))
   lr = learning_rate(optimizer)
   return out if lr is None else {**out, "lr": lr}

@@ -33,6 +33,7 @@ class Settings:
   advantage: str            # losses.group_advantages' mode
   filter_zero_advantage: bool
   max_prompt_draws: int
+  update_norms: bool        # config.optim.update_norms: `optim.update_norms` every update
 
   def __post_init__(self):
     for key in ("prompts_per_step", "updates_per_batch", "accumulation", "max_prompt_draws"):
@@ -50,7 +51,8 @@ class Settings:
     return cls(Objective.from_config(c), rollouts.sampling_from_config(c, c.sampler.temperature),
                prompts_per_step=r.prompts_per_step, updates_per_batch=r.updates_per_batch,
                accumulation=r.accumulation, advantage=r.advantage,
-               filter_zero_advantage=r.filter_zero_advantage, max_prompt_draws=r.max_prompt_draws)
+               filter_zero_advantage=r.filter_zero_advantage, max_prompt_draws=r.max_prompt_draws,
+               update_norms=c.optim.update_norms)
 
 
 # ----------------------------------------------------------------------------- compiled pieces
@@ -74,9 +76,9 @@ def behaviour_pass(model, ref_model, seqs, advantages_B, key, obj: Objective):
 
 # The update donates the model and optimiser buffers: XLA updates them in place, so the old and
 # the new weights and moments never coexist (for 8B that is the difference between fitting or not).
-@nnx.jit(static_argnames=("obj", "accumulation"), donate_argnames=("model", "optimizer"))
+@nnx.jit(static_argnames=("obj", "accumulation", "norms"), donate_argnames=("model", "optimizer"))
 def update(model, optimizer, batch: RLBatch, key, clip_epsilon=None, lr_scale=1.0, *,
-           obj: Objective, accumulation: int):
+           obj: Objective, accumulation: int, norms: bool = False):
   """One optimiser step over `accumulation` micro-batches of whole groups, on the trainable
   parameters (`lora.trainable`: the adapters alone when the model has any; with their dropout,
   the policy's passes here draw masks from the micro-batch's key, the behaviour, reference and
@@ -107,7 +109,7 @@ def update(model, optimizer, batch: RLBatch, key, clip_epsilon=None, lr_scale=1.
   grads = jax.tree.map(lambda g: g / accumulation, grads)
   out = {k: jnp.mean(v) for k, v in metrics_A.items()}
   out["loss"] = jnp.mean(losses_A)
-  return {**out, **optim.apply(model, optimizer, grads, lr_scale=lr_scale)}
+  return {**out, **optim.apply(model, optimizer, grads, norms=norms, lr_scale=lr_scale)}
 
 
 # Op by op, every jnp call on a multi-process array is its own SPMD program; dozens of small ones in
@@ -158,7 +160,7 @@ def step(s: Settings, data, model, ref_model, optimizer, key, clip_epsilon: floa
   eps = None if clip_epsilon is None else jnp.float32(clip_epsilon)
   outs = jax.block_until_ready([
       update(model, optimizer, rl_batch, jax.random.fold_in(k_update, u), eps,
-             jnp.float32(lr_scale), obj=obj, accumulation=s.accumulation)
+             jnp.float32(lr_scale), obj=obj, accumulation=s.accumulation, norms=s.update_norms)
       for u in range(s.updates_per_batch)])
   t_done = time.perf_counter()
 

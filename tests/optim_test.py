@@ -67,3 +67,56 @@ def test_bfloat16_moments_are_stored_in_bfloat16_and_track_float32_adam():
 def test_unknown_moment_dtype_is_named():
   with pytest.raises(ValueError, match="config.optim.moment_dtype='float16'"):
     optim.make_optimizer(1e-3, 0, 10, ml_collections.ConfigDict({**O, "moment_dtype": "float16"}))
+
+
+class _Block(nnx.Module):
+  def __init__(self, rngs):
+    self.attn = nnx.Linear(3, 3, rngs=rngs)
+
+
+class _Net(nnx.Module):
+  def __init__(self, rngs):
+    self.embed = nnx.Linear(2, 3, rngs=rngs)
+    self.blocks = nnx.List([_Block(rngs), _Block(rngs)])
+
+
+def test_update_norms_per_group_match_adam_written_out():
+  # Reference: two Adam updates in NumPy float64 from the definition (no decay, no clip, rate
+  # constant over the 1000-step stage's first two steps up to the decay, taken into account).
+  lr, b1, b2, eps = 1e-2, O.b1, O.b2, 1e-8
+  model = _Net(nnx.Rngs(0))
+  opt = nnx.Optimizer(model, optim.make_optimizer(lr, 0, 1000, O), wrt=nnx.Param)
+  names = {"embed": [("embed", "kernel"), ("embed", "bias")],
+           "attn": [("blocks", i, "attn", p) for i in (0, 1) for p in ("kernel", "bias")]}
+  pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  get = lambda tree, path: tree[path[0]] if len(path) == 1 else get(tree[path[0]], path[1:])  # noqa: E731
+  x = {p: np.asarray(get(pure, p), np.float64) for g in names.values() for p in g}
+  m = {p: np.zeros_like(v) for p, v in x.items()}
+  v2 = {p: np.zeros_like(v) for p, v in x.items()}
+  rng = np.random.default_rng(0)
+  for t in (1, 2):
+    g = {p: rng.normal(size=v.shape) for p, v in x.items()}
+    grads = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
+    for p, val in g.items():
+      node = grads
+      for k in p[:-1]:
+        node = node[k]
+      node[p[-1]][...] = jnp.asarray(val, jnp.float32)
+    out = optim.apply(model, opt, grads, norms=True)
+    rate = lr * (1 - (t - 1) / 1000)
+    delta = {}
+    for p in x:
+      m[p] = b1 * m[p] + (1 - b1) * g[p]
+      v2[p] = b2 * v2[p] + (1 - b2) * g[p] ** 2
+      delta[p] = -rate * (m[p] / (1 - b1**t)) / (np.sqrt(v2[p] / (1 - b2**t)) + eps)
+      x[p] = x[p] + delta[p]
+    norm = lambda d, ps: np.sqrt(sum(np.sum(d[p] ** 2) for p in ps))  # noqa: E731
+    every = [p for ps in names.values() for p in ps]
+    for key, tree in (("update_norm", delta), ("param_norm", x), ("adam_mu_norm", m),
+                      ("adam_nu_norm", v2)):
+      assert float(out[key]) == pytest.approx(norm(tree, every), rel=1e-4), (key, t)
+      for group, ps in names.items():
+        assert float(out[f"{key}/{group}"]) == pytest.approx(norm(tree, ps), rel=1e-4), (key, group)
+    assert sorted(k for k in out if k.startswith("update_norm")) == [
+        "update_norm", "update_norm/attn", "update_norm/embed"]
+  assert "update_norm" not in optim.apply(model, opt, grads)  # off by default
