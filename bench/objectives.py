@@ -5,6 +5,8 @@ settings and a noisy one.
   .venv/bin/python bench/objectives.py --config=configs/sdar.py --seeds=0,1,2 --parallel=2
   .venv/bin/python bench/objectives.py --extra=stabledrl_spg,wd1,noclip,eps_sweep
   .venv/bin/python bench/objectives.py --table_only       # read the finished runs, print the table
+  .venv/bin/python bench/objectives.py --regimes= --lrs=3e-5,1e-4,3e-4,1e-3   # the lr frontier
+  .venv/bin/python bench/objectives.py --regimes= --regime=mu2:rl.updates_per_batch=2  # a variant
 
 Per seed S the main command's SFT stage runs once (`--config.rl.steps=0`, in ROOT/sft_seedS); each
 (regime, objective) run then starts RL from a copy of that workdir's checkpoints, in
@@ -201,8 +203,10 @@ def flags_of(overrides: dict) -> list[str]:
 
 
 def regimes(published: dict, noisy_lr: float, names: list[str], extras: list[str],
-            family: str) -> dict[str, dict]:
-  """The regimes to run, by name: config overrides on top of the tiny default."""
+            family: str, custom: list[str] = (), lrs: list[float] = ()) -> dict[str, dict]:
+  """The regimes to run, by name: config overrides on top of the tiny default. `custom`: more
+  regimes as `NAME:key=value,key=value` (noisy plus those config keys); `lrs`: the noisy regime
+  at each rate, named `noisy_lr<rate>` (the learning-rate frontier)."""
   defined = {"published": dict(published), "noisy": {**NOISY, "rl.lr": noisy_lr}}
   for n in names:
     if n not in defined:
@@ -213,6 +217,15 @@ def regimes(published: dict, noisy_lr: float, names: list[str], extras: list[str
       if extra == "dual" and family != "llada":
         raise ValueError("--extra=dual: cached rollouts are LLaDA's (--config=configs/llada.py)")
       out[name] = {**defined["noisy"], **change}
+  for lr in lrs:
+    out[f"noisy_lr{lr:g}"] = {**defined["noisy"], "rl.lr": lr}
+  for text in custom:
+    name, _, body = text.partition(":")
+    pairs = [p.partition("=") for p in body.split(",") if p]
+    if not name or name in out or not pairs or any(not k or not eq for k, eq, _ in pairs):
+      raise ValueError(f"--regime={text!r}: expected a new NAME:key=value[,key=value...] "
+                       f"(config keys, e.g. noisy_mu2:rl.updates_per_batch=2)")
+    out[name] = {**defined["noisy"], **{k: v for k, _, v in pairs}}
   return out
 
 
@@ -398,6 +411,9 @@ def main() -> None:
   p.add_argument("--regimes", default="published,noisy")
   p.add_argument("--extra", default="", help=f"comma-separated, some of {','.join(EXTRAS)}")
   p.add_argument("--noisy_lr", type=float, default=1e-4, help="rl.lr of the noisy regimes")
+  p.add_argument("--lrs", default="", help="comma-separated rates: the noisy regime at each")
+  p.add_argument("--regime", action="append", default=[],
+                 help="NAME:key=value,...: a regime of the noisy one plus those config keys")
   p.add_argument("--rl_steps", type=int, default=300)
   p.add_argument("--root", default=None, help="default runs/objectives_<config name>")
   p.add_argument("--parallel", type=int, default=1)
@@ -416,7 +432,9 @@ def main() -> None:
     for o in args.objectives.split(","):
       if o not in LABELS:
         raise ValueError(f"--objectives: unknown {o!r}; expected some of {list(LABELS)}")
-    settings = regimes(published, args.noisy_lr, args.regimes.split(","), extras, family)
+    lrs = [float(x) for x in args.lrs.split(",") if x]
+    settings = regimes(published, args.noisy_lr, [r for r in args.regimes.split(",") if r], extras,
+                       family, args.regime, lrs)
     runs = plan(args.objectives.split(","), settings, extras, seeds)
   except ValueError as e:
     sys.exit(f"error: {e}")

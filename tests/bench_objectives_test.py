@@ -123,6 +123,14 @@ def test_plan_and_regimes():
     bench.regimes(published, 1e-4, ["noisy"], ["dual"], family)
   noclip = bench.regimes(published, 1e-4, ["noisy"], ["noclip"], family)["noisy_noclip"]
   assert noclip["optim.grad_clip"] == 1e9 and noclip["rl.num_samples"] == 1
+  more = bench.regimes(published, 1e-4, [], [], family,
+                       ["mu2:rl.updates_per_batch=2,optim.grad_clip=1e9"], [3e-4, 1e-3])
+  assert list(more) == ["noisy_lr0.0003", "noisy_lr0.001", "mu2"]
+  assert more["noisy_lr0.001"] == {**settings["noisy"], "rl.lr": 1e-3}
+  assert more["mu2"] == {**settings["noisy"], "rl.updates_per_batch": "2", "optim.grad_clip": "1e9"}
+  for bad in ("mu2", "mu2:", "mu2:rl.lr", "noisy:rl.lr=1"):
+    with pytest.raises(ValueError, match="--regime="):
+      bench.regimes(published, 1e-4, ["noisy"], [], family, [bad])
 
 
 # The smallest run of the whole path (tests/custom_task_test.py's TINY, on the Sudoku default).

@@ -89,7 +89,8 @@ def test_update_norms_per_group_match_adam_written_out():
   names = {"embed": [("embed", "kernel"), ("embed", "bias")],
            "attn": [("blocks", i, "attn", p) for i in (0, 1) for p in ("kernel", "bias")]}
   pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  get = lambda tree, path: tree[path[0]] if len(path) == 1 else get(tree[path[0]], path[1:])  # noqa: E731
+  def get(tree, path):
+    return tree[path[0]] if len(path) == 1 else get(tree[path[0]], path[1:])
   x = {p: np.asarray(get(pure, p), np.float64) for g in names.values() for p in g}
   m = {p: np.zeros_like(v) for p, v in x.items()}
   v2 = {p: np.zeros_like(v) for p, v in x.items()}
@@ -98,10 +99,7 @@ def test_update_norms_per_group_match_adam_written_out():
     g = {p: rng.normal(size=v.shape) for p, v in x.items()}
     grads = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
     for p, val in g.items():
-      node = grads
-      for k in p[:-1]:
-        node = node[k]
-      node[p[-1]][...] = jnp.asarray(val, jnp.float32)
+      get(grads, p)[...] = jnp.asarray(val, jnp.float32)
     out = optim.apply(model, opt, grads, norms=True)
     rate = lr * (1 - (t - 1) / 1000)
     delta = {}
