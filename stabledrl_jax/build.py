@@ -236,8 +236,8 @@ def adapt(c: ml_collections.ConfigDict, model: nnx.Module) -> nnx.Module:
     distributed.log(f"LoRA: target names {', '.join(skipped)} select no module of {c.family}; "
                     "skipped, as PEFT skips them")
   distributed.log(f"LoRA: rank {lc.rank}, alpha {lc.alpha:g}, dropout {lc.dropout:g} on "
-                  f"{len(lora.adapters(model))} modules, {lora.num_params(model):,} trainable "
-                  "parameters")
+                  f"{len(lora.adapted_modules(model))} modules, {lora.num_params(model):,} "
+                  "trainable parameters")
   return model
 
 

@@ -43,7 +43,7 @@ def export(c, model, out_dir: str | os.PathLike, *, dtype: str | None = None, re
   """Write `model` to `out_dir` in the run's source format; returns `out_dir`. A model with LoRA
   adapters is written merged (`lora.merge` of a clone: `model` keeps them), and its adapters
   alone to `adapter_dir(out_dir)` in PEFT's format."""
-  adapted = bool(lora.adapters(model))
+  adapted = lora.has_adapters(model)
   merged = lora.merge(nnx.clone(model)) if adapted else model  # new kernels, the rest shared
   models.export_pretrained(merged, out_dir, dtype=dtype or default_dtype(c),
                            max_shard_bytes=max_shard_bytes,

@@ -14,8 +14,10 @@ gradient's `DiffState`, what a LoRA run checkpoints).
 Modules are chosen by the names of the family's official checkpoint, as PEFT chooses them: a
 name in `targets` selects every module whose dotted name is it or ends with "." + it (a single
 string is a regular expression the whole name must match; "all-linear" is every linear layer but
-the head). LLaDA's modules are `q_proj`, `k_proj`, `v_proj`, `attn_out`, `ff_proj`, `up_proj`,
-`ff_out`, and its head is `model.transformer.ff_out`, so `ff_out` selects the head too; the
+the head). A mixture of experts' routed experts are modules too, as in the released code
+(`model.layers.L.mlp.experts.E.gate_proj`): their adapters are stacked like their kernels
+(`ExpertAdapter`), so a layer's experts are adapted all or none. LLaDA's modules are `q_proj`,
+`k_proj`, `v_proj`, `attn_out`, `ff_proj`, `up_proj`, `ff_out`, and its head is `model.transformer.ff_out`, so `ff_out` selects the head too; the
 Qwen-style families (SDAR, Dream) name theirs `q_proj`, `k_proj`, `v_proj`, `o_proj`,
 `gate_proj`, `up_proj`, `down_proj` and `lm_head`.
 
@@ -52,9 +54,10 @@ DEFAULT_TARGETS = {
     "llada": r"model\.transformer\.blocks\.\d+\.(q_proj|k_proj|v_proj|attn_out|ff_proj|up_proj|ff_out)",
     "sdar": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
     "dream": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-    # LLaDA2.0's linear modules: attention, the dense layers' MLP and the shared experts (the
-    # routed experts are stacked kernels, not adaptable modules).
-    "llada2": ("query_key_value", "dense", "gate_proj", "up_proj", "down_proj"),
+    # LLaDA2.0: attention, the dense layers' MLP and the shared experts, not the routed experts
+    # (PEFT's list ["gate_proj", ...] would adapt every one of them: 256 adapters per layer).
+    "llada2": (r"model\.layers\.\d+\.(attention\.(query_key_value|dense)"
+               r"|mlp\.(shared_experts\.)?(gate_proj|up_proj|down_proj))"),
 }
 # The adapters' dropout masks in an update come from `fold_in(step key, DROPOUT_STREAM)`: a stream
 # of their own, apart from the masking draws of the same key.
@@ -112,11 +115,36 @@ class Adapter(nnx.LoRA):
   def scale(self) -> float:
     return self.alpha / self.rank
 
+  def dropped(self, x: jax.Array) -> jax.Array:
+    """The adapter's input after its dropout (x itself while no key is set)."""
+    if not self.dropout or self.dropout_key is None:
+      return x
+    keep = jax.random.bernoulli(self.dropout_key[...], 1.0 - self.dropout, x.shape)
+    return jnp.where(keep, x / (1.0 - self.dropout), 0).astype(x.dtype)
+
   def __call__(self, x_MxI: jax.Array) -> jax.Array:
-    if self.dropout and self.dropout_key is not None:
-      keep_MxI = jax.random.bernoulli(self.dropout_key[...], 1.0 - self.dropout, x_MxI.shape)
-      x_MxI = jnp.where(keep_MxI, x_MxI / (1.0 - self.dropout), 0).astype(x_MxI.dtype)
-    return super().__call__(x_MxI) * self.scale
+    return super().__call__(self.dropped(x_MxI)) * self.scale
+
+
+class ExpertAdapter(nnx.Module):
+  """LoRA on one projection of every routed expert of a mixture-of-experts layer, as PEFT puts
+  one adapter on each expert's module (`mlp.experts.E.gate_proj`): A [E, D_in, r] and
+  B [E, r, D_out] (`nnx.LoRAParam`, float32) stacked like the experts' kernels; the rows routed
+  to expert e get scale · dropped(x) A_e B_e (`models.moe.grouped_swiglu`). Initialised as
+  `Adapter` (A uniform in ±1/sqrt(D_in), B = 0)."""
+
+  def __init__(self, experts: int, d_in: int, d_out: int, *, rank: int, alpha: float,
+               dropout: float, rngs: nnx.Rngs):
+    init = nnx.initializers.variance_scaling(1 / 3, "fan_in", "uniform", in_axis=-2,
+                                             out_axis=-1, batch_axis=(0,))
+    self.lora_a = nnx.LoRAParam(init(rngs.params(), (experts, d_in, rank), jnp.float32))
+    self.lora_b = nnx.LoRAParam(jnp.zeros((experts, rank, d_out), jnp.float32))
+    self.in_features, self.out_features = d_in, d_out
+    self.rank, self.alpha, self.dropout = rank, alpha, dropout
+    self.dropout_key = nnx.data(None)
+
+  scale = Adapter.scale
+  dropped = Adapter.dropped
 
 
 class DropoutKey(nnx.Variable):
@@ -131,6 +159,20 @@ def linear_modules(cfg: ModelConfig) -> dict[str, tuple]:
   (the weight name without ".weight"), in checkpoint order, the head included."""
   return {spec.hf_name.removesuffix(".weight"): spec.path[:-1]
           for spec in weights.weight_specs(cfg) if spec.path[-1] == "kernel"}
+
+
+def expert_modules(cfg: ModelConfig) -> dict[str, tuple[tuple, int]]:
+  """Every routed expert's projection as {its module name in the official checkpoint
+  (`model.layers.L.mlp.experts.E.gate_proj`): (the path of its stacked kernel, E)}; none for a
+  dense family."""
+  return {spec.hf_name.removesuffix(".weight"): (spec.path, spec.index)
+          for spec in weights.weight_specs(cfg) if spec.index is not None}
+
+
+def _adapter_attr(kernel_path: tuple) -> tuple:
+  """The path of the `ExpertAdapter` of a stacked expert kernel (`.../moe/gate_kernel` ->
+  `.../moe/gate_adapter`)."""
+  return kernel_path[:-1] + (kernel_path[-1].replace("_kernel", "_adapter"),)
 
 
 def head_module(cfg: ModelConfig) -> str:
@@ -151,15 +193,16 @@ def unmatched(cfg: ModelConfig, targets: tuple[str, ...] | str) -> list[str]:
   for a regular expression or "all-linear")."""
   if isinstance(targets, str):
     return []
-  modules = linear_modules(cfg)
+  modules = {**linear_modules(cfg), **expert_modules(cfg)}
   return [t for t in targets if not any(matches(name, (t,)) for name in modules)]
 
 
 def select(cfg: ModelConfig, targets: tuple[str, ...] | str, *,
            strict: bool = True) -> dict[str, tuple]:
-  """The targeted linear layers {module name: model path}. `strict`: every name of a list must
-  select a module (PEFT itself only needs one of them to, as `strict=False` does)."""
-  modules = linear_modules(cfg)
+  """The targeted linear layers {module name: model path}, routed experts' projections included
+  as {name: (path of the stacked kernel, expert)}. `strict`: every name of a list must select a
+  module (PEFT itself only needs one of them to, as `strict=False` does)."""
+  modules = {**linear_modules(cfg), **expert_modules(cfg)}
   if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
     head = head_module(cfg)
     return {name: path for name, path in modules.items() if name != head}
@@ -192,11 +235,16 @@ def apply(model, lc: LoraConfig, *, seed: int = 0, strict: bool = True):
   """Attach a fresh adapter (random A, zero B) to every linear layer `lc.targets` selects; the
   model is changed in place and returned. A is split over the mesh like the kernel's input
   dimension, B like its output dimension. Refused on a model that already has adapters."""
-  if adapters(model):
+  if has_adapters(model):
     raise AdapterError("the model already has LoRA adapters; apply them once")
   cfg = model.config
   rngs = nnx.Rngs(seed)
+  experts = expert_modules(cfg)
+  stacked: dict[tuple, set[int]] = {}  # stacked expert kernel -> the experts selected
   for name, path in select(cfg, lc.targets, strict=strict).items():
+    if name in experts:
+      stacked.setdefault(path[0], set()).add(path[1])
+      continue
     linear = _module(model, path)
     if not isinstance(linear, Linear):
       raise AdapterError(f"module {name!r} is a {type(linear).__name__}, not an adaptable Linear")
@@ -207,6 +255,19 @@ def apply(model, lc: LoraConfig, *, seed: int = 0, strict: bool = True):
     adapter.lora_a.set_value(_placed(adapter.lora_a.get_value(), kernel, (0, None)))
     adapter.lora_b.set_value(_placed(adapter.lora_b.get_value(), kernel, (None, 1)))
     linear.adapter = adapter
+  for path, chosen in stacked.items():
+    kernel = _module(model, path).get_value()
+    e, d_in, d_out = kernel.shape
+    if len(chosen) != e:
+      name = next(n for n, (p, i) in experts.items() if p == path and i not in chosen)
+      raise AdapterError(f"lora targets {lc.targets!r} select some routed experts of a layer but "
+                         f"not {name!r}: adapt all of a layer's experts or none (one stacked "
+                         "kernel)")
+    adapter = ExpertAdapter(e, d_in, d_out, rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout,
+                            rngs=rngs)
+    adapter.lora_a.set_value(_placed(adapter.lora_a.get_value(), kernel, (0, 1, None)))
+    adapter.lora_b.set_value(_placed(adapter.lora_b.get_value(), kernel, (0, None, 2)))
+    setattr(_module(model, path[:-1]), _adapter_attr(path)[-1], adapter)
   return model
 
 
@@ -220,11 +281,33 @@ def adapters(model) -> dict[str, Adapter]:
   return out
 
 
+def expert_adapters(model) -> dict[tuple, ExpertAdapter]:
+  """The routed experts' adapters {path of the stacked kernel: ExpertAdapter} (empty: none)."""
+  out = {}
+  for path, _ in expert_modules(model.config).values():
+    adapter = getattr(_module(model, path[:-1]), _adapter_attr(path)[-1], None)
+    if adapter is not None:
+      out[path] = adapter
+  return out
+
+
+def has_adapters(model) -> bool:
+  return bool(jax.tree.leaves(nnx.state(model, ADAPTER)))
+
+
+def adapted_modules(model) -> list[str]:
+  """The names of every adapted module, each routed expert's projection on its own (as PEFT
+  names them), in checkpoint order."""
+  stacked = expert_adapters(model)
+  return [*adapters(model), *(name for name, (path, _) in expert_modules(model.config).items()
+                              if path in stacked)]
+
+
 def trainable(model):
   """The filter of the parameters an optimiser trains: the adapters' when there are any, else
   every parameter (full fine-tuning) but a mixture of experts' router unless
   `config.train_router` (LLaDA2.0: RL leaves the routing as pretrained)."""
-  if adapters(model):
+  if has_adapters(model):
     return ADAPTER
   if model.config.num_experts and not model.config.train_router:
     return nnx.All(nnx.Param, nnx.Not(RouterParam))
@@ -254,6 +337,10 @@ def logical_axes(model) -> dict[tuple, tuple]:
     kernel_axes = axes_of[path + ("kernel",)]
     out[path + ("adapter", "lora_a")] = (kernel_axes[0], None)
     out[path + ("adapter", "lora_b")] = (None, kernel_axes[1])
+  for path in expert_adapters(model):  # [E, D_in, r] and [E, r, D_out]
+    expert, d_in, d_out = axes_of[path]
+    out[_adapter_attr(path) + ("lora_a",)] = (expert, d_in, None)
+    out[_adapter_attr(path) + ("lora_b",)] = (expert, None, d_out)
   return out
 
 
@@ -262,7 +349,7 @@ def set_dropout_key(model, key: jax.Array | None) -> None:
   with None. Meant for the copy of the model a loss function works on inside `jit` (after
   `nnx.merge`), so rollouts, behaviour and reference passes stay deterministic; every call of an
   adapter with the same key and input shape draws the same mask."""
-  for i, adapter in enumerate(adapters(model).values()):
+  for i, adapter in enumerate([*adapters(model).values(), *expert_adapters(model).values()]):
     adapter.dropout_key = nnx.data(None) if key is None else DropoutKey(jax.random.fold_in(key, i))
 
 
@@ -286,6 +373,11 @@ def merge(model):
     linear.kernel.set_value(_merged(linear.kernel.get_value(), adapter.lora_a.get_value(),
                                     adapter.lora_b.get_value(), adapter.scale))
     linear.adapter = nnx.data(None)
+  for path, adapter in expert_adapters(model).items():
+    kernel = _module(model, path)
+    kernel.set_value(jax.vmap(_merged, in_axes=(0, 0, 0, None))(
+        kernel.get_value(), adapter.lora_a.get_value(), adapter.lora_b.get_value(), adapter.scale))
+    setattr(_module(model, path[:-1]), _adapter_attr(path)[-1], nnx.data(None))
   return model
 
 
@@ -293,10 +385,11 @@ def config_of(model) -> LoraConfig:
   """The LoraConfig of the model's adapters; `targets` the shortest PEFT list of names that
   selects exactly the adapted modules (their last name components), or an anchored regular
   expression of their names where no such list exists."""
-  found = adapters(model)
+  found = adapted_modules(model)
   if not found:
     raise AdapterError("the model has no LoRA adapters")
-  shapes = {(a.rank, a.alpha, a.dropout) for a in found.values()}
+  shapes = {(a.rank, a.alpha, a.dropout)
+            for a in [*adapters(model).values(), *expert_adapters(model).values()]}
   if len(shapes) > 1:
     raise AdapterError(f"adapters with different (rank, alpha, dropout) {sorted(shapes)}: PEFT's "
                        "file has one of each")

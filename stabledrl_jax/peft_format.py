@@ -2,8 +2,9 @@
 (`peft_type` "LORA", `r`, `lora_alpha`, `lora_dropout`, `target_modules`,
 `base_model_name_or_path`, ...) and `adapter_model.safetensors` with
 `base_model.model.<module>.lora_A.weight` [r, D_in] and `....lora_B.weight` [D_out, r] (torch's
-[out, in] layout: our A and B transposed). `export_peft` writes a model's adapters so that
-`peft.PeftModel.from_pretrained` loads them; `load_peft` applies every tensor such a directory
+[out, in] layout: our A and B transposed); a mixture of experts' routed expert E has its own
+(`...mlp.experts.E.gate_proj.lora_A.weight`), a slice of our stacked `lora.ExpertAdapter`.
+`export_peft` writes a model's adapters so that `peft.PeftModel.from_pretrained` loads them; `load_peft` applies every tensor such a directory
 holds, and one it cannot place is an error naming it. The adapters themselves are `lora`'s.
 """
 from __future__ import annotations
@@ -106,6 +107,13 @@ def peft_tensors(model, dtype: str = "float32") -> dict[str, np.ndarray]:
     if module.rsplit(".", 1)[-1] in PEFT_EMBEDDING_NAMES:
       kernel = weights.variable(model, paths[module]).kernel.get_value()
       out[base_layer_name(module)] = np.ascontiguousarray(_host(kernel).T.astype(dtype))
+  stacked = {path: (_host(a.lora_a.get_value()), _host(a.lora_b.get_value()))
+             for path, a in lora.expert_adapters(model).items()}
+  for module, (path, e) in lora.expert_modules(model.config).items():
+    if path in stacked:  # expert e's slices: A [E, D_in, r] -> [r, D_in], B -> [D_out, r]
+      name_a, name_b = peft_names(module)
+      out[name_a] = np.ascontiguousarray(stacked[path][0][e].T.astype(dtype))
+      out[name_b] = np.ascontiguousarray(stacked[path][1][e].T.astype(dtype))
   return out
 
 
@@ -124,33 +132,41 @@ def export_peft(model, out_dir: str | storage.Path, *, base_model_name_or_path: 
       json.dumps(peft_config(lora.config_of(model), base_model_name_or_path), indent=2))
 
 
-def _assign(variable, host: np.ndarray, want: tuple, name: str, transpose: bool) -> None:
-  """Set `variable` (keeping its dtype and sharding) from a tensor of the file."""
-  if host.shape != want:
-    raise lora.AdapterError(f"adapter tensor {name!r} has shape {host.shape}, expected {want}")
+def _set(variable, value: np.ndarray) -> None:
+  """Set `variable` to `value`, keeping its dtype and sharding."""
   old = variable.get_value()
-  value = jnp.asarray((host.T if transpose else host).astype(old.dtype))
+  value = jnp.asarray(value.astype(old.dtype))
   sharding = getattr(old, "sharding", None)
   variable.set_value(jax.device_put(value, sharding) if sharding is not None else value)
 
 
 def _peft_targets(model, lc: lora.LoraConfig) -> dict[str, tuple]:
-  """{PEFT tensor name: (variable, shape in the file, transposed)} of every tensor a PEFT
+  """{PEFT tensor name: (variable, shape in the file, transposed, index)} of every tensor a PEFT
   adapter of the model's adapters may hold: A and B of each adapter, and whole weights PEFT
   saves beside them (a targeted embedding layer's `base_layer`, or a weight by its
-  checkpoint name, e.g. a resized embedding), which replace the checkpoint's."""
+  checkpoint name, e.g. a resized embedding), which replace the checkpoint's. `index`: the
+  tensor is slice [index] of a stacked variable (a routed expert's), else None."""
   out = {}
-  for module, adapter in lora.adapters(model).items():
+  every = [*lora.adapters(model).items(), *lora.expert_adapters(model).items()]
+  for module, adapter in every:
     if (adapter.rank, adapter.alpha) != (lc.rank, lc.alpha):
       raise lora.AdapterError(f"module {module!r} has rank {adapter.rank}, alpha {adapter.alpha}; "
                          f"the adapter has r={lc.rank}, lora_alpha={lc.alpha}")
+  for module, adapter in lora.adapters(model).items():
     name_a, name_b = peft_names(module)
-    out[name_a] = (adapter.lora_a, (lc.rank, adapter.in_features), True)
-    out[name_b] = (adapter.lora_b, (adapter.out_features, lc.rank), True)
+    out[name_a] = (adapter.lora_a, (lc.rank, adapter.in_features), True, None)
+    out[name_b] = (adapter.lora_b, (adapter.out_features, lc.rank), True, None)
+  stacked = lora.expert_adapters(model)
+  for module, (path, e) in lora.expert_modules(model.config).items():
+    if path in stacked:
+      a = stacked[path]
+      name_a, name_b = peft_names(module)
+      out[name_a] = (a.lora_a, (lc.rank, a.in_features), True, e)
+      out[name_b] = (a.lora_b, (a.out_features, lc.rank), True, e)
   for spec in weights.weight_specs(model.config):
     variable = weights.variable(model, spec.path)
-    shape = tuple(variable.get_value().shape)
-    entry = (variable, shape[::-1] if spec.transpose else shape, spec.transpose)
+    shape = tuple(variable.get_value().shape)[spec.index is not None:]
+    entry = (variable, shape[::-1] if spec.transpose else shape, spec.transpose, spec.index)
     out[PEFT_PREFIX + spec.hf_name] = entry
     module = spec.hf_name.removesuffix(".weight")
     owner = weights.variable(model, spec.path[:-1])
@@ -168,9 +184,9 @@ def load_peft(model, adapter_dir: str) -> lora.LoraConfig:
   is an adapted module the file has no A or B for."""
   lc = config_from_peft(read_peft_config(adapter_dir))
   chosen = lora.select(model.config, lc.targets, strict=False)
-  if not lora.adapters(model):
+  if not lora.has_adapters(model):
     lora.apply(model, lc, strict=False)
-  found = lora.adapters(model)
+  found = lora.adapted_modules(model)
   if set(found) != set(chosen):
     extra = sorted(set(found) ^ set(chosen))[0]
     raise lora.AdapterError(f"module {extra!r}: the model's adapters differ from {adapter_dir}'s "
@@ -189,7 +205,18 @@ def load_peft(model, adapter_dir: str) -> lora.LoraConfig:
     missing = [name for name in needed if name not in names]
     if missing:
       raise lora.AdapterError(f"adapter tensor {missing[0]!r} is missing from {path}")
+    stacks = {}  # id of a stacked variable -> (it, its host copy): one update each, at the end
     for name in names:
-      variable, want, transpose = targets[name]
-      _assign(variable, f.get_tensor(name), want, name, transpose)
+      variable, want, transpose, index = targets[name]
+      host = f.get_tensor(name)
+      if host.shape != want:
+        raise lora.AdapterError(f"adapter tensor {name!r} has shape {host.shape}, expected {want}")
+      host = host.T if transpose else host
+      if index is None:
+        _set(variable, host)
+      else:
+        _, whole = stacks.setdefault(id(variable), (variable, _host(variable.get_value()).copy()))
+        whole[index] = host
+    for variable, whole in stacks.values():
+      _set(variable, whole)
   return lc

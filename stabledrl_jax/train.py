@@ -99,7 +99,8 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
           return {"preempted": step - 1, "skipped_updates": r.skipped}
     final = final_evaluation(r)
     out = export.export(c, r.model, storage.path(workdir) / "hf", replace=True)
-    adapter = f", its LoRA adapter alone: {export.adapter_dir(out)}" if lora.adapters(r.model) else ""
+    adapter = (f", its LoRA adapter alone: {export.adapter_dir(out)}"
+               if lora.has_adapters(r.model) else "")
     distributed.log(f"policy: {out}{adapter}")
   finally:
     r.ckpt.wait()
@@ -347,7 +348,7 @@ def reference_model(model, path: str | storage.Path, *, fresh: bool) -> nnx.Modu
   """The KL reference: the weights at the start of RL, saved once there and reloaded on resume.
   A copy of the model; with LoRA adapters, the adapters' parameters alone (an `nnx.State` that
   `rl.behaviour_pass` puts on the policy's frozen base), so the base is never held twice."""
-  adapted = bool(lora.adapters(model))
+  adapted = lora.has_adapters(model)
   ref = copy_module(model, lora.ADAPTER if adapted else ...)
   if fresh or not storage.path(path).exists():
     if not fresh:

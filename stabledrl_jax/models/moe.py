@@ -80,9 +80,14 @@ def _tiled(x_NxD: Array, sorted_N: Array, sizes_E: Array, weights_ExIxO: list[Ar
 
 
 def grouped_swiglu(x_MxD: Array, experts_MxK: Array, weights_MxK: Array, gate_ExDxF: Array,
-                   up_ExDxF: Array, down_ExFxD: Array, impl: str = "ragged_dot") -> Array:
+                   up_ExDxF: Array, down_ExFxD: Array, impl: str = "ragged_dot",
+                   adapters: tuple = (None, None, None)) -> Array:
   """Σ_k weight_k · SwiGLU_{expert_k}(x) per token, dropless: the M·k assignments sorted by
-  expert, grouped matmuls (`impl`, module docstring), then unsorted. float32 sum."""
+  expert, grouped matmuls (`impl`, module docstring), then unsorted. float32 sum.
+
+  `adapters`: per projection (gate, up, down) None or a LoRA adapter of every expert
+  (`lora.ExpertAdapter`: `lora_a` [E, I, r], `lora_b` [E, r, O], `scale`, `dropped(x)` its input
+  dropout), which adds scale · dropped(x) A_e B_e to the rows of expert e."""
   m, d = x_MxD.shape
   k = experts_MxK.shape[1]
   e = gate_ExDxF.shape[0]
@@ -91,23 +96,44 @@ def grouped_swiglu(x_MxD: Array, experts_MxK: Array, weights_MxK: Array, gate_Ex
   sizes_E = jnp.bincount(flat_N, length=e).astype(jnp.int32)
   x_NxD = x_MxD[order_N // k]
   dtype = x_MxD.dtype
-  gate, up, down = (w.astype(dtype) for w in (gate_ExDxF, up_ExDxF, down_ExFxD))
+  # Per projection: its stacked kernel, then A and B of its adapter if it has one.
+  stacks = [[w.astype(dtype)] + ([] if a is None else [a.lora_a[...].astype(dtype),
+                                                       a.lora_b[...].astype(dtype)])
+            for w, a in zip((gate_ExDxF, up_ExDxF, down_ExFxD), adapters)]
   if impl == "tiles":
-    def swiglu(x, g, u, dn):
-      h = jax.nn.silu(jnp.einsum("tsd,tdf->tsf", x, g)) * jnp.einsum("tsd,tdf->tsf", x, u)
-      return jnp.einsum("tsf,tfd->tsd", h, dn)
-    y_NxD = _tiled(x_NxD, flat_N[order_N], sizes_E, [gate, up, down], swiglu)
+    def matmul(x, ws, adapter):  # x [tiles, rows, I]; ws: the tiles' kernels (and A, B)
+      y = jnp.einsum("tsi,tio->tso", x, ws[0])
+      if adapter is None:
+        return y
+      xa = jnp.einsum("tsi,tir->tsr", adapter.dropped(x), ws[1])
+      return y + adapter.scale * jnp.einsum("tsr,tro->tso", xa, ws[2])
   else:
-    h_NxF = (jax.nn.silu(jax.lax.ragged_dot(x_NxD, gate, sizes_E))
-             * jax.lax.ragged_dot(x_NxD, up, sizes_E))
-    y_NxD = jax.lax.ragged_dot(h_NxF, down, sizes_E)
+    def matmul(x, ws, adapter):  # x [N, I] sorted by expert; ws: [E, ...] stacks
+      y = jax.lax.ragged_dot(x, ws[0], sizes_E)
+      if adapter is None:
+        return y
+      xa = jax.lax.ragged_dot(adapter.dropped(x), ws[1], sizes_E)
+      return y + adapter.scale * jax.lax.ragged_dot(xa, ws[2], sizes_E)
+
+  def swiglu(x, *flat):
+    ws, i = [], 0
+    for stack in stacks:
+      ws.append(flat[i:i + len(stack)])
+      i += len(stack)
+    h = jax.nn.silu(matmul(x, ws[0], adapters[0])) * matmul(x, ws[1], adapters[1])
+    return matmul(h, ws[2], adapters[2])
+
+  flat = [w for stack in stacks for w in stack]
+  y_NxD = (_tiled(x_NxD, flat_N[order_N], sizes_E, flat, swiglu) if impl == "tiles"
+           else swiglu(x_NxD, *flat))
   y_MxKxD = jnp.zeros_like(y_NxD).at[order_N].set(y_NxD).reshape(m, k, d)
   return jnp.einsum("mkd,mk->md", y_MxKxD.astype(jnp.float32), weights_MxK)
 
 
 class MoE(nnx.Module):
-  """Router + `num_experts` SwiGLU experts (stacked kernels, `ragged_dot`) + optional shared
-  experts (one SwiGLU of `moe_intermediate_size * num_shared_experts`)."""
+  """Router + `num_experts` SwiGLU experts (stacked kernels, grouped matmuls) + optional shared
+  experts (one SwiGLU of `moe_intermediate_size * num_shared_experts`), and optional LoRA
+  adapters on the routed experts' projections."""
 
   def __init__(self, cfg, *, rngs: nnx.Rngs, shared_mlp=None):
     e, d, f = cfg.num_experts, cfg.d_model, cfg.moe_intermediate_size
@@ -120,6 +146,8 @@ class MoE(nnx.Module):
     self.gate_kernel = nnx.Param(init(rngs.params(), (e, d, f), pd))
     self.up_kernel = nnx.Param(init(rngs.params(), (e, d, f), pd))
     self.down_kernel = nnx.Param(init(rngs.params(), (e, f, d), pd))
+    # LoRA on every routed expert's projection (`lora.apply` attaches a `lora.ExpertAdapter`).
+    self.gate_adapter = self.up_adapter = self.down_adapter = nnx.data(None)
     self.shared_experts = shared_mlp
 
   def route(self, y_MxD: Array, forced_MxK: Array | None = None) -> tuple[Array, Array]:
@@ -131,8 +159,9 @@ class MoE(nnx.Module):
     """`(output [M, D] in y's dtype, the chosen experts [M, k])`."""
     experts_MxK, weights_MxK = self.route(y_MxD, forced_MxK)
     out_MxD = grouped_swiglu(y_MxD, experts_MxK, weights_MxK, self.gate_kernel[...],
-                             self.up_kernel[...], self.down_kernel[...],
-                             self.impl).astype(y_MxD.dtype)
+                             self.up_kernel[...], self.down_kernel[...], self.impl,
+                             (self.gate_adapter, self.up_adapter, self.down_adapter)
+                             ).astype(y_MxD.dtype)
     if self.shared_experts is not None:
       out_MxD = out_MxD + self.shared_experts(y_MxD)
     return out_MxD, experts_MxK
