@@ -11,8 +11,8 @@ Per (family, N, seed), in ROOT/<family>_n<N>_seed<S>/:
 - `sft/`: SFT on the first N training examples alone (`sft.num_demonstrations`) to its plateau:
   a greedy check on 256 validation examples (training examples outside the N, never held-out
   ones) every `--check_every` steps, stopped after `--patience` checks without a better accuracy,
-  the best weights kept (`sft.patience`); `rl.steps=0`, so its "after SFT" held-out figure is
-  the plateau's.
+  the best weights kept (`sft.patience`, counted from the first non-zero accuracy); `rl.steps=0`,
+  so its "after SFT" held-out figure is the plateau's.
 - `stabledrl/`, `grpo/`, `rft/`: `--rl_steps` RL steps from a copy of that checkpoint, the main
   job's RL settings otherwise (prompts: the whole training split); `rft` is rejection-sampling
   fine-tuning (`rl.objective=rft`: the ELBO of the rollouts that sort exactly, same prompts, G,

@@ -140,7 +140,8 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.sft.validation_examples = 256  # the last training examples, decoded greedily at each check
   # > 0: SFT runs to its plateau instead (excludes sft.stop_at_accuracy): a check every
   # sft.check_every steps and at sft.steps, the best-accuracy weights kept (WORKDIR/sft_best); it
-  # stops after this many checks without a better one and RL starts from the best weights
+  # stops after this many checks without a better one (counted from the first non-zero accuracy)
+  # and RL starts from the best weights
   c.sft.patience = 0
   # > 0: SFT trains on the first N training examples alone (scarce demonstrations); RL's prompts
   # are still the whole training split, the validation examples never among the N

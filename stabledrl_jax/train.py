@@ -235,14 +235,15 @@ def sft_validation(r: Run, step: int) -> dict[str, float]:
 def plateau(r: Run, step: int, accuracy: float) -> bool:
   """`sft.patience` after the check of SFT step `step`: the best weights so far are kept in
   WORKDIR/sft_best; whether SFT stops (`sft.patience` checks without a better accuracy, or its
-  last step), then with the best weights put back into the model."""
+  last step), then with the best weights put back into the model. Checks before the first
+  non-zero accuracy do not count: a model that has not started to solve is not at a plateau."""
   c, best = r.config, r.sft_best
   path = storage.path(r.workdir) / "sft_best"
   if accuracy > best.get("accuracy", -1.0):
     checkpointing.save_params(path, r.model)
     r.sft_best = {"accuracy": accuracy, "step": step, "since": 0}
   else:
-    r.sft_best = {**best, "since": best["since"] + 1}
+    r.sft_best = {**best, "since": best["since"] + (best["accuracy"] > 0)}
   stop = r.sft_best["since"] >= c.sft.patience
   if stop or step == r.sft_end - 1:
     checkpointing.restore_params(path, r.model)

@@ -68,6 +68,11 @@ def test_plateau_keeps_the_best_checks_weights_and_stops_after_patience(tmp_path
   _set_params(model, 6.0)
   assert not train.plateau(r, 1, 0.1)
   assert all(np.all(x == 5.0) for x in _params(model))
+  # Checks at zero accuracy before the first success are not a plateau (LLaDA's first 50 steps)
+  r.sft_best, r.sft_end = {}, 100
+  assert [train.plateau(r, s, a) for s, a in enumerate([0, 0, 0, 0, 0.1, 0.05, 0.1])] == [
+      False] * 6 + [True]
+  assert r.sft_best == {"accuracy": 0.1, "step": 4, "since": 2}
 
 
 def test_rejection_sampling_loss_is_sft_on_the_correct_rollouts():
