@@ -244,6 +244,37 @@ def test_hf_export_is_the_released_format_and_round_trips(tmp_path):
                                 np.asarray(_logits(model, ids, "block_causal")))
 
 
+def test_loading_on_a_mesh_reads_each_devices_experts_and_part_of_each(tmp_path, monkeypatch):
+  """Experts over `expert` (2 of 8 per device) and their input dimension over `fsdp`: every read
+  of an expert tensor is one device's half of it, and the loaded model is the exported one."""
+  from stabledrl_jax import sharding
+  cfg = models.llada2_tiny()
+  model = _randomise(models.create(cfg, seed=5))
+  out = str(tmp_path / "hf")
+  models.export_pretrained(model, out)
+  reads = []
+  read = models.safetensors_io.Reader.read
+  def spy(self, name, idx=None):
+    reads.append((name, idx))
+    return read(self, name, idx)
+  monkeypatch.setattr(models.safetensors_io.Reader, "read", spy)
+  mesh = sharding.make_mesh({"expert": 4, "fsdp": 2})
+  loaded, _ = models.load_pretrained(out, dtype="float32", mesh=mesh)
+  kernel = loaded.blocks[1].moe.gate_kernel[...]
+  assert tuple(kernel.sharding.spec)[:2] == ("expert", "fsdp"), kernel.sharding
+  np.testing.assert_array_equal(np.asarray(kernel),
+                                np.asarray(model.blocks[1].moe.gate_kernel[...]))
+  expert_reads = [(n, idx) for n, idx in reads if ".experts." in n]
+  assert len(expert_reads) == 2 * 3 * cfg.num_experts  # each tensor by the 2 devices sharing it
+  for name, idx in expert_reads:  # half of the torch-layout [out, in] tensor: its `in` half
+    shape = models.safetensors_io.Reader(out).shape(name)
+    rows, cols = (len(range(shape[i])[idx[i]]) for i in (0, 1))
+    assert rows * cols * 2 == shape[0] * shape[1], (name, idx)
+  ids = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 8)))
+  np.testing.assert_allclose(np.asarray(_logits(loaded, ids, "block_causal")),
+                             np.asarray(_logits(model, ids, "block_causal")), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("key, value", [("use_bias", True), ("score_function", "softmax"),
                                         ("norm_topk_prob", False), ("use_qkv_bias", True)])
 def test_unsupported_released_options_are_refused_naming_the_key(key, value):

@@ -63,11 +63,19 @@ def load_pretrained(hf_dir: str, *, dtype: str = "bfloat16", param_dtype: str = 
   for path, parts in stacked.items():
     target = variable(model, path)
     shape = tuple(target.get_value().shape)
-    host = np.empty(shape, param_dtype)
     for spec in parts:
-      host[spec.index] = _read_checked(reader, spec, shape[1:], hf_dir).astype(param_dtype)
-    value = (jax.device_put(host) if mesh is None else jax.device_put(
-        host, param_sharding(mesh, parts[0].logical_axes, shape, rules)))
+      _check(reader, spec, shape[1:], hf_dir)
+    if mesh is None:
+      host = np.empty(shape, param_dtype)
+      for spec in parts:
+        raw = reader.read(spec.hf_name)
+        host[spec.index] = (raw.T if spec.transpose else raw).astype(param_dtype)
+      value = jax.device_put(host)
+    else:  # each device's experts and part of each, read slice by slice
+      value = safetensors_io.read_stacked(
+          reader, [spec.hf_name for spec in sorted(parts, key=lambda p: p.index)],
+          transpose=parts[0].transpose, dtype=param_dtype,
+          sharding=param_sharding(mesh, parts[0].logical_axes, shape, rules))
     target.set_value(value)
   for spec in specs:
     if spec.index is not None:
@@ -94,16 +102,15 @@ def load_pretrained(hf_dir: str, *, dtype: str = "bfloat16", param_dtype: str = 
   return model, cfg
 
 
-def _read_checked(reader, spec: WeightSpec, shape: tuple, hf_dir: str) -> np.ndarray:
-  """One tensor in the model's layout (transposed where the spec says), its shape checked."""
+def _check(reader, spec: WeightSpec, shape: tuple, hf_dir: str) -> None:
+  """The checkpoint holds `spec`'s tensor with the model-side `shape` (transposed on disk where
+  the spec says)."""
   if spec.hf_name not in reader:
     raise CheckpointError(f"missing tensor {spec.hf_name!r} in {hf_dir}")
   want = shape[::-1] if spec.transpose else shape
   if reader.shape(spec.hf_name) != want:
     raise CheckpointError(f"tensor {spec.hf_name!r} has shape {reader.shape(spec.hf_name)}, "
                           f"expected {want}")
-  host = reader.read(spec.hf_name)
-  return host.T if spec.transpose else host
 
 
 class ExportError(ValueError):
