@@ -17,9 +17,10 @@ string is a regular expression the whole name must match; "all-linear" is every 
 the head). A mixture of experts' routed experts are modules too, as in the released code
 (`model.layers.L.mlp.experts.E.gate_proj`): their adapters are stacked like their kernels
 (`ExpertAdapter`), so a layer's experts are adapted all or none. LLaDA's modules are `q_proj`,
-`k_proj`, `v_proj`, `attn_out`, `ff_proj`, `up_proj`, `ff_out`, and its head is `model.transformer.ff_out`, so `ff_out` selects the head too; the
-Qwen-style families (SDAR, Dream) name theirs `q_proj`, `k_proj`, `v_proj`, `o_proj`,
-`gate_proj`, `up_proj`, `down_proj` and `lm_head`.
+`k_proj`, `v_proj`, `attn_out`, `ff_proj`, `up_proj`, `ff_out`, and its head is
+`model.transformer.ff_out`, so `ff_out` selects the head too; the Qwen-style families (SDAR,
+Dream) name theirs `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`
+and `lm_head`.
 
 PEFT's adapter directory (adapter_config.json, adapter_model.safetensors) is `peft_format`'s.
 In a training run (`build.lora_config`: `config.model.lora`, `config.model.lora_init`)
@@ -291,6 +292,11 @@ def expert_adapters(model) -> dict[tuple, ExpertAdapter]:
   return out
 
 
+def all_adapters(model) -> list[Adapter | ExpertAdapter]:
+  """Every adapter of the model: `adapters`' then `expert_adapters`'."""
+  return [*adapters(model).values(), *expert_adapters(model).values()]
+
+
 def has_adapters(model) -> bool:
   return bool(jax.tree.leaves(nnx.state(model, ADAPTER)))
 
@@ -349,7 +355,7 @@ def set_dropout_key(model, key: jax.Array | None) -> None:
   with None. Meant for the copy of the model a loss function works on inside `jit` (after
   `nnx.merge`), so rollouts, behaviour and reference passes stay deterministic; every call of an
   adapter with the same key and input shape draws the same mask."""
-  for i, adapter in enumerate([*adapters(model).values(), *expert_adapters(model).values()]):
+  for i, adapter in enumerate(all_adapters(model)):
     adapter.dropout_key = nnx.data(None) if key is None else DropoutKey(jax.random.fold_in(key, i))
 
 
@@ -388,8 +394,7 @@ def config_of(model) -> LoraConfig:
   found = adapted_modules(model)
   if not found:
     raise AdapterError("the model has no LoRA adapters")
-  shapes = {(a.rank, a.alpha, a.dropout)
-            for a in [*adapters(model).values(), *expert_adapters(model).values()]}
+  shapes = {(a.rank, a.alpha, a.dropout) for a in all_adapters(model)}
   if len(shapes) > 1:
     raise AdapterError(f"adapters with different (rank, alpha, dropout) {sorted(shapes)}: PEFT's "
                        "file has one of each")

@@ -4,8 +4,9 @@
 `base_model.model.<module>.lora_A.weight` [r, D_in] and `....lora_B.weight` [D_out, r] (torch's
 [out, in] layout: our A and B transposed); a mixture of experts' routed expert E has its own
 (`...mlp.experts.E.gate_proj.lora_A.weight`), a slice of our stacked `lora.ExpertAdapter`.
-`export_peft` writes a model's adapters so that `peft.PeftModel.from_pretrained` loads them; `load_peft` applies every tensor such a directory
-holds, and one it cannot place is an error naming it. The adapters themselves are `lora`'s.
+`export_peft` writes a model's adapters so that `peft.PeftModel.from_pretrained` loads them;
+`load_peft` applies every tensor such a directory holds, and one it cannot place is an error
+naming it. The adapters themselves are `lora`'s.
 """
 from __future__ import annotations
 
@@ -147,11 +148,10 @@ def _peft_targets(model, lc: lora.LoraConfig) -> dict[str, tuple]:
   checkpoint name, e.g. a resized embedding), which replace the checkpoint's. `index`: the
   tensor is slice [index] of a stacked variable (a routed expert's), else None."""
   out = {}
-  every = [*lora.adapters(model).items(), *lora.expert_adapters(model).items()]
-  for module, adapter in every:
+  for adapter in lora.all_adapters(model):
     if (adapter.rank, adapter.alpha) != (lc.rank, lc.alpha):
-      raise lora.AdapterError(f"module {module!r} has rank {adapter.rank}, alpha {adapter.alpha}; "
-                         f"the adapter has r={lc.rank}, lora_alpha={lc.alpha}")
+      raise lora.AdapterError(f"the model's adapters have rank {adapter.rank}, alpha "
+                              f"{adapter.alpha}; the file's r={lc.rank}, lora_alpha={lc.alpha}")
   for module, adapter in lora.adapters(model).items():
     name_a, name_b = peft_names(module)
     out[name_a] = (adapter.lora_a, (lc.rank, adapter.in_features), True, None)
