@@ -7,6 +7,7 @@ settings and a noisy one.
   .venv/bin/python bench/objectives.py --table_only       # read the finished runs, print the table
   .venv/bin/python bench/objectives.py --regimes= --lrs=3e-5,1e-4,3e-4,1e-3   # the lr frontier
   .venv/bin/python bench/objectives.py --regimes= --regime=mu2:rl.updates_per_batch=2  # a variant
+  .venv/bin/python bench/objectives.py ... --table_only --record=docs/results/NAME.json  # per seed
 
 Per seed S the main command's SFT stage runs once (`--config.rl.steps=0`, in ROOT/sft_seedS); each
 (regime, objective) run then starts RL from a copy of that workdir's checkpoints, in
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import collections
 import importlib.util
+import json
 import math
 import os
 import shlex
@@ -375,8 +377,33 @@ def collect(runs: list[Run], root: str, sfts: dict[int, str]
     why = "no SFT run recorded" if sft is None else started_from(rows, evals, sft)
     if why:
       problems.append(f"{workdir} did not start RL from {sfts[run.seed]}'s checkpoint: {why}")
-    results[(run.regime, run.variant)].append(summarise_rows(rows, evals))
+    results[(run.regime, run.variant)].append({**summarise_rows(rows, evals), "seed": run.seed})
   return results, problems
+
+
+def seed_record(results, settings: dict[str, dict], args: argparse.Namespace) -> dict[str, Any]:
+  """`--record`: every (regime, objective) with its seeds side by side (docs/results/ format,
+  `bench/report.py` renders it): held-out mean reward after RL, the lowest held-out evaluation
+  during RL, and the steps above EXPLOSION_FACTOR x the running median of ‖g‖."""
+  from scarce_demos import commit, machine  # noqa: PLC0415  (bench/scarce_demos.py imports this)
+
+  def per_seed(runs, value):
+    return ", ".join(f"{r['seed']}: {value(r)}" for r in runs)
+  rows = [[regime, LABELS.get(variant, variant),
+           per_seed(runs, lambda r: f"{r['after']:.3f}"),
+           per_seed(runs, lambda r: f"{min(a for _, a in r['held_out_curve']):.3f}"),
+           per_seed(runs, lambda r: round(r["explosion_rate"] * r["steps"]))]
+          for (regime, variant), runs in results.items() if runs]
+  regimes = "; ".join(f"`{r}`: `{' '.join(flags_of(o))}`" for r, o in settings.items())
+  return {"title": f"{args.rl_steps} RL steps from each seed's SFT checkpoint, per seed",
+          "columns": ["regime", "objective", "held-out mean reward after RL",
+                      "lowest held-out during RL", f"steps above {EXPLOSION_FACTOR:g}x the "
+                      "running median ‖g‖"],
+          "align": "lllll", "rows": rows, "command": shlex.join(["bench/objectives.py",
+                                                                 *sys.argv[1:]]),
+          "commit": commit(), "machine": machine(),
+          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+          "notes": f"regimes: {regimes}"}
 
 
 def report(results, problems: list[str], settings: dict[str, dict], extras: list[str],
@@ -418,6 +445,8 @@ def main() -> None:
   p.add_argument("--root", default=None, help="default runs/objectives_<config name>")
   p.add_argument("--parallel", type=int, default=1)
   p.add_argument("--table_only", action="store_true", help="only read the runs there are")
+  p.add_argument("--record", default="", help="also write the per-seed table here "
+                 "(docs/results/NAME.json)")
   p.add_argument("extra_flags", nargs="*", help="more flags for main, after --")
   args = p.parse_args()
   name = os.path.splitext(os.path.basename(args.config.partition(":")[0]))[0]
@@ -462,6 +491,10 @@ def main() -> None:
   os.makedirs(root, exist_ok=True)
   with open(os.path.join(root, "objectives.md"), "w") as f:
     f.write(text)
+  if args.record:
+    with open(args.record, "w") as f:
+      json.dump(seed_record(results, settings, args), f, indent=1)
+      f.write("\n")
   png = os.path.join(root, "objectives.png")
   plot(results, png)
   print(f"table: {os.path.join(root, 'objectives.md')}\nplots: {png}")

@@ -146,11 +146,15 @@ def test_the_script_runs_rl_from_one_sft_checkpoint(tmp_path, jax_cache_env):
   env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", **jax_cache_env}
   out = subprocess.run([sys.executable, _PATH, f"--root={tmp_path}", "--seeds=0",
                         "--objectives=stabledrl,grpo", "--regimes=noisy", "--rl_steps=2",
-                        "--parallel=2", "--", *TINY], cwd=REPO, env=env, capture_output=True,
-                       text=True, timeout=300)
+                        f"--record={tmp_path / 'record.json'}", "--parallel=2", "--", *TINY],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   text = (tmp_path / "objectives.md").read_text()
   assert "| noisy | StableDRL | 1/1 |" in text and "| noisy | GRPO (d1) | 1/1 |" in text
+  record = json.loads((tmp_path / "record.json").read_text())
+  assert [row[:2] for row in record["rows"]] == [["noisy", "StableDRL"], ["noisy", "GRPO (d1)"]]
+  assert all(row[2].startswith("0: ") and len(row) == len(record["columns"])
+             for row in record["rows"])
   assert (tmp_path / "objectives.png").stat().st_size > 0
   for obj in ("stabledrl", "grpo"):
     workdir = tmp_path / "noisy" / f"{obj}_seed0"
