@@ -390,7 +390,7 @@ def seed_record(results, settings: dict[str, dict], args: argparse.Namespace) ->
   def per_seed(runs, value):
     return ", ".join(f"{r['seed']}: {value(r)}" for r in runs)
   rows = [[regime, LABELS.get(variant, variant),
-           per_seed(runs, lambda r: f"{r['after']:.3f}"),
+           per_seed(runs, lambda r: "stopped" if math.isnan(r["after"]) else f"{r['after']:.3f}"),
            per_seed(runs, lambda r: f"{min(a for _, a in r['held_out_curve']):.3f}"),
            per_seed(runs, lambda r: round(r["explosion_rate"] * r["steps"]))]
           for (regime, variant), runs in results.items() if runs]
