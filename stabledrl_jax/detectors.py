@@ -60,11 +60,16 @@ TROUBLESHOOTING: dict[str, Row] = {
         "More MC samples (≥ 2); coupled masks; a lower-variance estimator (stratified-l)."),
     "zero_advantage_groups": Row(
         "Many groups with all-equal rewards (zero-advantage fraction high): no learning signal.",
-        "Tasks too easy or too hard for the current policy, or too few completions per group.",
+        "Tasks too easy or too hard for the current policy, or too few completions per group. "
+        "If the training reward fell to about 0 within a step or two before it: the policy broke "
+        "(seen without the global-norm clip: one batch's gradient, a few times the usual, set the "
+        "direction of Adam's next updates; KL and the importance weights stayed quiet).",
         "Raise `group_size` G; move task difficulty towards ~50% success; "
         "`rl.filter_zero_advantage=True` (dynamic sampling: such groups are replaced by groups of "
         "further prompts, at most `rl.max_prompt_draws` prompt batches a step; `groups_drawn` / "
-        "`groups_kept` in metrics.jsonl)."),
+        "`groups_kept` in metrics.jsonl). After such a fall: resume from a checkpoint before it "
+        "with `optim.grad_clip` on (0.2, the official value), fewer `rl.updates_per_batch` or a "
+        "lower `rl.lr` (docs/results.md: the collapse without the clip, diagnosed)."),
     "clip_fraction_out_of_band": Row(
         "Clip fraction outside its 10–15% band for many steps.",
         "ε mismatched to the ratio spread: too tight (above the band) wastes signal, too loose "
