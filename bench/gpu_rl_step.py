@@ -40,6 +40,12 @@ from flax import nnx  # noqa: E402
 
 from stabledrl_jax import config_lib, flops, models, objectives, optim, rl, rollouts, samplers
 
+
+def mfu(fraction: float) -> str:
+  """MFU in percent to 3 significant digits (a tiny model's 0.004% is not printed as 0.0%)."""
+  return f"MFU {100 * fraction:.3g}%"
+
+
 def best_seconds(fn, runs: int) -> float:
   jax.block_until_ready(fn())  # compile and warm up
   best = float("inf")
@@ -112,7 +118,7 @@ def measure_family(family: str, args, peak: float, emit) -> None:
         block=cfg.block_size if family == "sdar" else args.block, staircase=family == "sdar",
         **({} if family == "sdar" else dict(forwards=fwd, forward_tokens=fwd_tokens))))["rollout"]
     emit((f"  rollout, {name}", f"{b * args.gen / seconds:,.0f} gen tok/s", f"{seconds:.3f} s",
-          f"MFU {work / seconds / peak:.1%}",
+          mfu(work / seconds / peak),
           f"{fwd:.0f} forwards, {fwd_tokens:,.0f} tokens/row; first call {first:.1f} s"))
 
   seqs = rollouts.from_rollout(rollout)
@@ -126,7 +132,7 @@ def measure_family(family: str, args, peak: float, emit) -> None:
       lambda: rl.behaviour_pass(model, None, seqs, adv, jax.random.key(1), obj)[0].logp_old_BxMxL,
       args.runs)
   emit(("  behaviour pass", f"{b * total / t_behaviour:,.0f} tok/s", f"{t_behaviour:.3f} s",
-        f"MFU {work['likelihood'] / t_behaviour / peak:.1%}", f"M={args.samples}"))
+        mfu(work['likelihood'] / t_behaviour / peak), f"M={args.samples}"))
   batch, _ = rl.behaviour_pass(model, None, seqs, adv, jax.random.key(1), obj)
   optim_config = ml_collections.ConfigDict(dict(grad_clip=1.0, b1=0.9, b2=0.99, weight_decay=0.0,
                                                 decay_steps=0))
@@ -147,7 +153,7 @@ def measure_family(family: str, args, peak: float, emit) -> None:
     high = (f"; device memory high-water mark {stats['peak_bytes_in_use'] / 2**30:.1f} GiB"
             if "peak_bytes_in_use" in stats else "")
     emit((f"  RL update, {impl} attention", f"{b * total / t_update:,.0f} tok/s",
-          f"{t_update:.3f} s", f"MFU {work['update'] / t_update / peak:.1%}",
+          f"{t_update:.3f} s", mfu(work['update'] / t_update / peak),
           f"fwd+bwd+AdamW, accumulation {args.accumulation}{high}"))
 
 

@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +43,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from scarce_demos import commit  # noqa: E402  (bench/scarce_demos.py: the commit, marked if dirty)
 from stabledrl_jax import models, rollouts, samplers  # noqa: E402
 
 FILES = ("modeling_llada2_moe.py", "configuration_llada2_moe.py")
@@ -201,8 +201,6 @@ def main():
   tokens = sum(len(w) for w in want)
   rows.insert(0, ["released `generate` (torch), one prompt at a time", "—", f"{t_released:.3f}",
                   f"{tokens / t_released:.0f}", "1.00"])
-  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                          text=True).stdout.strip()
   import transformers
   record = {
       "title": "LLaDA2.0's sampler and logits against the released PyTorch code, same model",
@@ -211,7 +209,7 @@ def main():
       "align": "lrrrr", "rows": rows,
       "command": "PYTHONPATH=/tmp/tf4 .venv/bin/python bench/llada2_released.py " + " ".join(
           sys.argv[1:]),
-      "commit": commit,
+      "commit": commit(),
       "machine": (f"{platform.machine()} CPU, {len(os.sched_getaffinity(0))} core(s) "
                   f"(torch {torch.__version__}, {torch.get_num_threads()} threads; transformers "
                   f"{transformers.__version__}; jax {jax.__version__})"),

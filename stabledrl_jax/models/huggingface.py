@@ -20,7 +20,7 @@ from stabledrl_jax import storage
 from stabledrl_jax.models import hf_config, hf_tokenizer, safetensors_io
 from stabledrl_jax.models.config import ModelConfig
 from stabledrl_jax.models.transformer import Transformer
-from stabledrl_jax.models.weights import WeightSpec, param_sharding, variable, weight_specs
+from stabledrl_jax.models.weights import param_sharding, variable, weight_specs
 
 
 class CheckpointError(ValueError):
@@ -64,7 +64,7 @@ def load_pretrained(hf_dir: str, *, dtype: str = "bfloat16", param_dtype: str = 
     target = variable(model, path)
     shape = tuple(target.get_value().shape)
     for spec in parts:
-      _check(reader, spec, shape[1:], hf_dir)
+      _check(reader, spec.hf_name, shape[1:][::-1] if spec.transpose else shape[1:], hf_dir)
     if mesh is None:
       host = np.empty(shape, param_dtype)
       for spec in parts:
@@ -85,12 +85,7 @@ def load_pretrained(hf_dir: str, *, dtype: str = "bfloat16", param_dtype: str = 
     hf_name = spec.hf_name
     if hf_name not in reader and spec.path == ("head", "kernel") and cfg.tie_word_embeddings:
       hf_name = weight_specs(cfg)[0].hf_name  # tied checkpoints store the head as the embedding
-    if hf_name not in reader:
-      raise CheckpointError(f"missing tensor {hf_name!r} in {hf_dir}")
-    want = shape[::-1] if spec.transpose else shape
-    if reader.shape(hf_name) != want:
-      raise CheckpointError(f"tensor {hf_name!r} has shape {reader.shape(hf_name)}, "
-                            f"expected {want}")
+    _check(reader, hf_name, shape[::-1] if spec.transpose else shape, hf_dir)
     if mesh is None:
       host = reader.read(hf_name)
       value = jax.device_put((host.T if spec.transpose else host).astype(param_dtype))
@@ -102,15 +97,12 @@ def load_pretrained(hf_dir: str, *, dtype: str = "bfloat16", param_dtype: str = 
   return model, cfg
 
 
-def _check(reader, spec: WeightSpec, shape: tuple, hf_dir: str) -> None:
-  """The checkpoint holds `spec`'s tensor with the model-side `shape` (transposed on disk where
-  the spec says)."""
-  if spec.hf_name not in reader:
-    raise CheckpointError(f"missing tensor {spec.hf_name!r} in {hf_dir}")
-  want = shape[::-1] if spec.transpose else shape
-  if reader.shape(spec.hf_name) != want:
-    raise CheckpointError(f"tensor {spec.hf_name!r} has shape {reader.shape(spec.hf_name)}, "
-                          f"expected {want}")
+def _check(reader, name: str, want: tuple, hf_dir: str) -> None:
+  """The checkpoint holds tensor `name` with the on-disk shape `want`."""
+  if name not in reader:
+    raise CheckpointError(f"missing tensor {name!r} in {hf_dir}")
+  if reader.shape(name) != want:
+    raise CheckpointError(f"tensor {name!r} has shape {reader.shape(name)}, expected {want}")
 
 
 class ExportError(ValueError):
