@@ -5,8 +5,10 @@ A mesh comes from a `{axis: size}` dict (`-1` = the devices left over). Paramete
 their logical axes (`models.weight_specs`: `embed` → `fsdp`, `heads`/`mlp`/`vocab` → `tensor`,
 `expert` → `expert`: a mixture of experts' stacked expert kernels); a dimension a mesh axis does
 not divide stays replicated. Batches are split along their leading axis over `data` × `fsdp` ×
-`expert` (expert parallelism: the tokens and the experts are both split over `expert`, and the
-compiler moves each token's rows to its experts' devices and back). Under `jax.jit` the compiler propagates these shardings through the step.
+`expert`. A mixture-of-experts layer keeps each device's rows on it (`models.moe.local_rows`: it
+routes and sorts them there and gathers the layer's expert kernels, split over `fsdp` and
+`expert`, as FSDP gathers any weight). Under `jax.jit` the compiler propagates these shardings
+through the step.
 
 With several processes (hosts), each holds only its devices' rows of a batch: `process_rows` says
 which, `shard_batch` assembles the processes' rows into one global array, and `to_host` gathers a

@@ -15,8 +15,10 @@ dropped for capacity. Two formulations (`ModelConfig.moe_impl`): `ragged_dot`, o
 `jax.lax.ragged_dot` per projection (XLA's CPU lowering of it multiplies every row by every
 expert, masked; accelerators have grouped kernels), and `tiles`, each expert's rows padded to
 whole tiles of rows and every tile multiplied by its own expert's weights (a batched matmul of
-(M·k + experts·tile) rows: the work of the active experts on any backend, plus the padding). Routing replay (RL): `route_experts` takes the experts chosen by
-an earlier forward (`forced_MxK`) and recomputes only their weights.
+at most M·k + min(M·k, experts)·tile rows: the work of the active experts on any backend, plus
+the padding). On a mesh each device does this for its own rows (`local_rows`). Routing replay
+(RL): `route_experts` takes the experts chosen by an earlier forward (`forced_MxK`) and
+recomputes only their weights.
 """
 from __future__ import annotations
 
@@ -66,15 +68,17 @@ def _tiled(x_NxD: Array, sorted_N: Array, sizes_E: Array, weights_ExIxO: list[Ar
   matmul with its expert's weights."""
   n, e = x_NxD.shape[0], sizes_E.shape[0]
   tile = int(np.clip(n // e, 8, 128))
-  num_tiles = n // tile + e  # >= sum_e ceil(size_e / tile)
+  # >= sum_e ceil(size_e / tile): at most min(n, e) experts have rows, each wasting < one tile.
+  num_tiles = -(-(n + min(n, e) * (tile - 1)) // tile)
   padded_E = (sizes_E + tile - 1) // tile * tile
   first_E = jnp.cumsum(sizes_E) - sizes_E
   padded_first_E = jnp.cumsum(padded_E) - padded_E
   slot_N = padded_first_E[sorted_N] + jnp.arange(n) - first_E[sorted_N]
   x_TxSxD = jnp.zeros((num_tiles * tile, x_NxD.shape[1]), x_NxD.dtype).at[slot_N].set(
       x_NxD).reshape(num_tiles, tile, -1)
-  tile_expert_T = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded_E), jnp.arange(num_tiles) * tile,
-                                               side="right"), e - 1)
+  # searchsorted(..., side="right") written out: jnp.searchsorted fails inside jax.shard_map.
+  tile_expert_T = jnp.minimum(jnp.sum(jnp.cumsum(padded_E)[None, :]
+                                      <= (jnp.arange(num_tiles) * tile)[:, None], axis=1), e - 1)
   y_TxSxO = fn(x_TxSxD, *(w[tile_expert_T] for w in weights_ExIxO))
   return y_TxSxO.reshape(num_tiles * tile, -1)[slot_N]
 
@@ -155,13 +159,46 @@ class MoE(nnx.Module):
     return route_experts(logits_MxE, self.expert_bias[...], k=self.k, n_group=self.n_group,
                          topk_group=self.topk_group, scaling=self.scaling, forced_MxK=forced_MxK)
 
-  def __call__(self, y_MxD: Array, forced_MxK: Array | None = None) -> tuple[Array, Array]:
-    """`(output [M, D] in y's dtype, the chosen experts [M, k])`."""
+  def routed(self, y_MxD: Array, forced_MxK: Array | None = None) -> tuple[Array, Array]:
+    """`(Σ_k weight_k · expert_k(y) [M, D] float32, the chosen experts [M, k])` of these rows."""
     experts_MxK, weights_MxK = self.route(y_MxD, forced_MxK)
-    out_MxD = grouped_swiglu(y_MxD, experts_MxK, weights_MxK, self.gate_kernel[...],
-                             self.up_kernel[...], self.down_kernel[...], self.impl,
-                             (self.gate_adapter, self.up_adapter, self.down_adapter)
-                             ).astype(y_MxD.dtype)
+    return grouped_swiglu(y_MxD, experts_MxK, weights_MxK, self.gate_kernel[...],
+                          self.up_kernel[...], self.down_kernel[...], self.impl,
+                          (self.gate_adapter, self.up_adapter, self.down_adapter)), experts_MxK
+
+  def __call__(self, y_MxD: Array, forced_MxK: Array | None = None) -> tuple[Array, Array]:
+    """`(output [M, D] in y's dtype, the chosen experts [M, k])`. On a mesh whose batch axes
+    divide the rows, each device routes, sorts and multiplies its own rows (`local_rows`)."""
+    out_MxD, experts_MxK = local_rows(self, y_MxD, forced_MxK)
+    out_MxD = out_MxD.astype(y_MxD.dtype)
     if self.shared_experts is not None:
       out_MxD = out_MxD + self.shared_experts(y_MxD)
     return out_MxD, experts_MxK
+
+
+def local_rows(layer: MoE, y_MxD: Array, forced_MxK: Array | None) -> tuple[Array, Array]:
+  """`layer.routed` with the rows split over the mesh's batch axes (`sharding.BATCH_AXES`, where
+  they divide M): each device routes and sorts its own rows and runs them through every expert's
+  weights, gathered whole for the layer (`jax.shard_map`; `tensor` stays with the compiler).
+  Left to the compiler, the sort by expert gathered every device's rows onto every device (the
+  step's temporaries hardly shrank with more devices). Adapter dropout draws each device's masks
+  from its own key (the shared key folded with the device's index)."""
+  from stabledrl_jax.sharding import BATCH_AXES  # noqa: PLC0415  (sharding imports models)
+  mesh = jax.typeof(layer.gate_kernel[...]).sharding.mesh
+  axes = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
+  ways = int(np.prod([mesh.shape[a] for a in axes]))
+  if ways == 1 or y_MxD.shape[0] % ways:
+    return layer.routed(y_MxD, forced_MxK)
+  graphdef, state = nnx.split(layer)
+  rows = jax.sharding.PartitionSpec(axes)
+
+  def local(state, y, forced):
+    shard = nnx.merge(graphdef, state)
+    for adapter in (shard.gate_adapter, shard.up_adapter, shard.down_adapter):
+      if adapter is not None and adapter.dropout_key is not None:
+        adapter.dropout_key[...] = jax.random.fold_in(adapter.dropout_key[...],
+                                                      jax.lax.axis_index(axes))
+    return shard.routed(y, forced)
+  whole = jax.tree.map(lambda _: jax.sharding.PartitionSpec(), state)
+  return jax.shard_map(local, mesh=mesh, in_specs=(whole, rows, rows), out_specs=(rows, rows),
+                       axis_names=set(axes))(state, y_MxD, forced_MxK)
