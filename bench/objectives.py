@@ -6,6 +6,7 @@ settings and a noisy one.
   .venv/bin/python bench/objectives.py --extra=stabledrl_spg,wd1,noclip,eps_sweep
   .venv/bin/python bench/objectives.py --table_only       # read the finished runs, print the table
   .venv/bin/python bench/objectives.py --regimes= --lrs=3e-5,1e-4,3e-4,1e-3   # the lr frontier
+  .venv/bin/python bench/objectives.py ... --table_only --frontier_record=docs/results/NAME.json
   .venv/bin/python bench/objectives.py --regimes= --regime=mu2:rl.updates_per_batch=2  # a variant
   .venv/bin/python bench/objectives.py ... --table_only --record=docs/results/NAME.json  # per seed
 
@@ -151,6 +152,8 @@ def summarise_rows(rows: list[dict], evals: list[dict]) -> dict[str, Any]:
       "events": dict(events),
       "before": tags.get("before RL", math.nan),
       "after": tags.get("after RL", math.nan),
+      "solved_before": next((as_float(e["accuracy"]) for e in evals
+                             if e["tag"] == "before RL" and "accuracy" in e), math.nan),
       "solved_after": next((as_float(e["accuracy"]) for e in evals
                             if e["tag"] == "after RL" and "accuracy" in e), math.nan),
       "reward_first": statistics.fmean(reward[:EDGE_STEPS]) if reward else math.nan,
@@ -342,6 +345,103 @@ def plot(results: dict[tuple[str, str], list[dict]], path: str) -> None:
   plt.close(fig)
 
 
+# ----------------------------------------------------------------------------- the lr frontier
+
+
+def frontier_cells(results: dict[tuple[str, str], list[dict]], lrs: list[float]
+                   ) -> dict[tuple[str, float], dict[str, Any]]:
+  """(objective, lr) -> the figures of the `noisy_lr<lr>` regime's finished runs: per seed the
+  held-out accuracy (exactly sorted) and mean reward after RL; whether each improved on its own
+  accuracy before RL, and whether it collapsed (held-out mean reward after RL below half its value
+  before RL); the explosion rate, mean over seeds."""
+  cells = {}
+  for (regime, variant), summaries in results.items():
+    lr = next((x for x in lrs if regime == f"noisy_lr{x:g}"), None)
+    done = [s for s in summaries if s["finished"]]
+    if lr is None or not done:
+      continue
+    cells[(variant, lr)] = {
+        "seeds": [s["seed"] for s in done],
+        "accuracy": [s["solved_after"] for s in done],
+        "reward": [s["after"] for s in done],
+        "improved": sum(s["solved_after"] > s["solved_before"] for s in done),
+        "collapsed": sum(s["after"] < 0.5 * s["before"] for s in done),
+        "explosion_rate": statistics.fmean(s["explosion_rate"] for s in done),
+        "accuracy_before": statistics.fmean(s["solved_before"] for s in done),
+        "reward_before": statistics.fmean(s["before"] for s in done)}
+  return cells
+
+
+def largest_improving_lr(cells: dict[tuple[str, float], dict[str, Any]], objective: str,
+                         seeds: int) -> float | None:
+  """The largest lr at which `objective` ran all `seeds` seeds and improved on every one."""
+  return max((lr for (o, lr), c in cells.items()
+              if o == objective and len(c["seeds"]) == seeds and c["improved"] == seeds),
+             default=None)
+
+
+def frontier_record(cells, seeds: int, args: argparse.Namespace) -> dict[str, Any]:
+  """`--frontier_record`: the frontier table in the docs/results format."""
+  from scarce_demos import commit, machine  # noqa: PLC0415
+
+  def ms(values):
+    m, d = spread(values)
+    return f"{m:.3f} ({d:.3f})"
+  rows = [[LABELS.get(o, o), f"{lr:g}",
+           ", ".join(f"{s}: {a:.3f}" for s, a in zip(c["seeds"], c["accuracy"])),
+           ms(c["accuracy"]), ms(c["reward"]), f"{c['improved']}/{len(c['seeds'])}",
+           f"{c['collapsed']}/{len(c['seeds'])}", f"{c['explosion_rate']:.3f}"]
+          for (o, lr), c in cells.items()]
+  objectives = list(dict.fromkeys(o for o, _ in cells))
+  best = "; ".join(f"{LABELS.get(o, o)}: {largest_improving_lr(cells, o, seeds) or 'none'}"
+                   for o in objectives)
+  before = next(iter(cells.values()), {})
+  return {"title": f"The learning-rate frontier: {args.rl_steps} RL steps from each seed's SFT "
+                   "checkpoint",
+          "columns": ["objective", "lr", "held-out accuracy after RL, per seed",
+                      "accuracy: mean (max − min)", "mean reward: mean (max − min)",
+                      "improved on its start", "collapsed", "explosion rate"],
+          "align": "llllllll", "rows": rows,
+          "command": shlex.join(["bench/objectives.py", *sys.argv[1:]]),
+          "commit": commit(), "machine": machine(),
+          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+          "notes": f"held-out before RL (mean over seeds): accuracy "
+                   f"{before.get('accuracy_before', math.nan):.3f}, mean reward "
+                   f"{before.get('reward_before', math.nan):.3f}; improved: accuracy after RL "
+                   "above the run's own before RL; collapsed: mean reward after RL below half "
+                   "its value before RL; explosion rate: as in the objectives table. Largest lr "
+                   f"improving on every one of {seeds} seeds: {best}"}
+
+
+def plot_frontier(cells, path: str) -> None:
+  """Held-out accuracy and mean reward after RL against lr (log), one colour per objective, each
+  seed a point (objectives side by side around each lr), the mean over seeds joined by a line, and
+  the start (mean over seeds) dashed."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  objectives = list(dict.fromkeys(o for o, _ in cells))
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+  for ax, key, title in ((axes[0], "accuracy", "held-out accuracy (exactly sorted) after RL"),
+                         (axes[1], "reward", "held-out mean reward after RL")):
+    for i, o in enumerate(objectives):
+      lrs = sorted(lr for (oo, lr) in cells if oo == o)
+      nudge = 1.0 + 0.06 * (i - (len(objectives) - 1) / 2)
+      line, = ax.plot([lr * nudge for lr in lrs],
+                      [statistics.fmean(cells[(o, lr)][key]) for lr in lrs], "-", lw=1,
+                      label=LABELS.get(o, o))
+      for lr in lrs:
+        ys = cells[(o, lr)][key]
+        ax.plot([lr * nudge] * len(ys), ys, "o", ms=4, color=line.get_color(), alpha=0.7)
+    start = statistics.fmean(c[f"{key}_before"] for c in cells.values())
+    ax.axhline(start, ls="--", color="grey", lw=1, label="before RL")
+    ax.set(xscale="log", xlabel="RL learning rate", title=title, ylim=(-0.03, 1.03))
+  axes[0].legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=80)
+  plt.close(fig)
+
+
 # ----------------------------------------------------------------------------- orchestration
 
 
@@ -447,6 +547,8 @@ def main() -> None:
   p.add_argument("--table_only", action="store_true", help="only read the runs there are")
   p.add_argument("--record", default="", help="also write the per-seed table here "
                  "(docs/results/NAME.json)")
+  p.add_argument("--frontier_record", default="", help="with --lrs: also write the frontier "
+                 "table here (docs/results/NAME.json) and its figure beside it (NAME.png)")
   p.add_argument("extra_flags", nargs="*", help="more flags for main, after --")
   args = p.parse_args()
   name = os.path.splitext(os.path.basename(args.config.partition(":")[0]))[0]
@@ -462,6 +564,8 @@ def main() -> None:
       if o not in LABELS:
         raise ValueError(f"--objectives: unknown {o!r}; expected some of {list(LABELS)}")
     lrs = [float(x) for x in args.lrs.split(",") if x]
+    if args.frontier_record and not lrs:
+      raise ValueError("--frontier_record: give the rates with --lrs")
     settings = regimes(published, args.noisy_lr, [r for r in args.regimes.split(",") if r], extras,
                        family, args.regime, lrs)
     runs = plan(args.objectives.split(","), settings, extras, seeds)
@@ -495,6 +599,12 @@ def main() -> None:
     with open(args.record, "w") as f:
       json.dump(seed_record(results, settings, args), f, indent=1)
       f.write("\n")
+  if args.frontier_record:
+    cells = frontier_cells(results, lrs)
+    with open(args.frontier_record, "w") as f:
+      json.dump(frontier_record(cells, len(seeds), args), f, indent=1)
+      f.write("\n")
+    plot_frontier(cells, os.path.splitext(args.frontier_record)[0] + ".png")
   png = os.path.join(root, "objectives.png")
   plot(results, png)
   print(f"table: {os.path.join(root, 'objectives.md')}\nplots: {png}")

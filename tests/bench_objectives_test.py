@@ -163,3 +163,40 @@ def test_the_script_runs_rl_from_one_sft_checkpoint(tmp_path, jax_cache_env):
     tags = [(e["tag"], e["step"]) for e in map(json.loads, (workdir / "eval.jsonl").open())]
     assert tags == [("before RL", 2), ("after 1 RL steps", 2), ("after RL", 3)]
     assert json.loads((workdir / "config.json").read_text())["rl"]["objective"] == obj
+
+
+def _finished(seed, before, after, solved_before, solved_after, rate=0.0):
+  return {"seed": seed, "finished": True, "before": before, "after": after,
+          "solved_before": solved_before, "solved_after": solved_after, "explosion_rate": rate}
+
+
+def test_the_frontier_cells_and_the_largest_rate_improving_on_every_seed(tmp_path):
+  results = {  # StableDRL improves on both seeds at 1e-4, on one at 1e-3; ESPO collapses at 1e-3
+      ("noisy_lr0.0001", "stabledrl"): [_finished(0, 0.6, 0.8, 0.4, 0.7, 0.1),
+                                        _finished(1, 0.5, 0.7, 0.3, 0.5, 0.3)],
+      ("noisy_lr0.001", "stabledrl"): [_finished(0, 0.6, 0.2, 0.4, 0.1),
+                                       _finished(1, 0.5, 0.6, 0.3, 0.4)],
+      ("noisy_lr0.001", "espo"): [_finished(0, 0.6, 0.29, 0.4, 0.0),
+                                  {**_finished(1, 0.5, 0.3, 0.3, 0.9), "finished": False}],
+      ("noisy", "espo"): [_finished(0, 0.6, 0.9, 0.4, 0.9)],  # not a frontier regime
+  }
+  cells = bench.frontier_cells(results, [1e-4, 1e-3])
+  assert list(cells) == [("stabledrl", 1e-4), ("stabledrl", 1e-3), ("espo", 1e-3)]
+  c = cells[("stabledrl", 1e-4)]
+  assert (c["seeds"], c["accuracy"], c["reward"]) == ([0, 1], [0.7, 0.5], [0.8, 0.7])
+  assert (c["improved"], c["collapsed"]) == (2, 0)
+  assert c["explosion_rate"] == pytest.approx(0.2)
+  assert (c["accuracy_before"], c["reward_before"]) == (pytest.approx(0.35), pytest.approx(0.55))
+  assert (cells[("stabledrl", 1e-3)]["improved"], cells[("stabledrl", 1e-3)]["collapsed"]) == (1, 1)
+  espo = cells[("espo", 1e-3)]  # the unfinished seed is left out; 0.29 < 0.5 x 0.6
+  assert (espo["seeds"], espo["collapsed"], espo["improved"]) == ([0], 1, 0)
+  assert bench.largest_improving_lr(cells, "stabledrl", seeds=2) == 1e-4
+  assert bench.largest_improving_lr(cells, "espo", seeds=2) is None
+  args = bench.argparse.Namespace(rl_steps=300)
+  record = bench.frontier_record(cells, 2, args)
+  assert record["rows"][0] == ["StableDRL", "0.0001", "0: 0.700, 1: 0.500", "0.600 (0.200)",
+                               "0.750 (0.100)", "2/2", "0/2", "0.200"]
+  assert all(len(row) == len(record["columns"]) for row in record["rows"])
+  assert "StableDRL: 0.0001; ESPO: none" in record["notes"]
+  bench.plot_frontier(cells, str(tmp_path / "frontier.png"))
+  assert (tmp_path / "frontier.png").stat().st_size > 0
