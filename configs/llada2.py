@@ -6,8 +6,8 @@ r"""StableDRL on LLaDA2.0 (inclusionAI's block-diffusion mixture of experts, doc
       --config.model.checkpoint=/path/to/LLaDA2.0-mini --workdir=gs://bucket/runs/llada2mini \
       --config.task.source_dir=/path/to/gsm8k   # train.jsonl, test.jsonl; or --config.task.source=public
   # flash: the same with --config.model.checkpoint=/path/to/LLaDA2.0-flash. Ahead of time
-  # (docs/llada2.md): mini with LoRA fits a v6e-8, flash with LoRA a v5p-16; mini's full
-  # fine-tuning fits neither a v5p-8 nor a v5p-16.
+  # (docs/llada2.md): mini with LoRA fits a v6e-8, flash with LoRA a v5p-16, mini's full
+  # fine-tuning a v5p-16 (not a v5p-8).
 
 tiny: 4 layers of D=128 (the first dense), 8 experts of width 64 in 4 groups (2 kept), 2 active
 and 1 shared (`models.llada2_tiny`), block diffusion with SDAR's defaults. The router is frozen
