@@ -393,8 +393,12 @@ def frontier_record(cells, seeds: int, args: argparse.Namespace) -> dict[str, An
            f"{c['collapsed']}/{len(c['seeds'])}", f"{c['explosion_rate']:.3f}"]
           for (o, lr), c in cells.items()]
   objectives = list(dict.fromkeys(o for o, _ in cells))
-  best = "; ".join(f"{LABELS.get(o, o)}: {largest_improving_lr(cells, o, seeds) or 'none'}"
-                   for o in objectives)
+
+  def best_of(o):
+    if not any(oo == o and len(c["seeds"]) == seeds for (oo, _), c in cells.items()):
+      return f"no rate run on all {seeds} seeds"
+    return largest_improving_lr(cells, o, seeds) or "none"
+  best = "; ".join(f"{LABELS.get(o, o)}: {best_of(o)}" for o in objectives)
   before = next(iter(cells.values()), {})
   return {"title": f"The learning-rate frontier: {args.rl_steps} RL steps from each seed's SFT "
                    "checkpoint",

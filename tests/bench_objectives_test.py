@@ -197,6 +197,8 @@ def test_the_frontier_cells_and_the_largest_rate_improving_on_every_seed(tmp_pat
   assert record["rows"][0] == ["StableDRL", "0.0001", "0: 0.700, 1: 0.500", "0.600 (0.200)",
                                "0.750 (0.100)", "2/2", "0/2", "0.200"]
   assert all(len(row) == len(record["columns"]) for row in record["rows"])
-  assert "StableDRL: 0.0001; ESPO: none" in record["notes"]
+  assert "StableDRL: 0.0001; ESPO: no rate run on all 2 seeds" in record["notes"]
+  espo_done = {**cells, ("espo", 1e-4): {**cells[("espo", 1e-3)], "seeds": [0, 1]}}
+  assert "ESPO: none" in bench.frontier_record(espo_done, 2, args)["notes"]
   bench.plot_frontier(cells, str(tmp_path / "frontier.png"))
   assert (tmp_path / "frontier.png").stat().st_size > 0
