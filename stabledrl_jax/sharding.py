@@ -29,7 +29,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from stabledrl_jax import lora, models
 
 AXES = ("data", "fsdp", "tensor", "expert")
-BATCH_AXES = ("data", "fsdp", "expert")
+BATCH_AXES = models.weights.BATCH_AXES
 
 
 def mesh_shape(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:

@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from stabledrl_jax.models.weights import BATCH_AXES
+
 Array = jax.Array
 
 
@@ -177,13 +179,12 @@ class MoE(nnx.Module):
 
 
 def local_rows(layer: MoE, y_MxD: Array, forced_MxK: Array | None) -> tuple[Array, Array]:
-  """`layer.routed` with the rows split over the mesh's batch axes (`sharding.BATCH_AXES`, where
+  """`layer.routed` with the rows split over the mesh's batch axes (`weights.BATCH_AXES`, where
   they divide M): each device routes and sorts its own rows and runs them through every expert's
   weights, gathered whole for the layer (`jax.shard_map`; `tensor` stays with the compiler).
   Left to the compiler, the sort by expert gathered every device's rows onto every device (the
   step's temporaries hardly shrank with more devices). Adapter dropout draws each device's masks
   from its own key (the shared key folded with the device's index)."""
-  from stabledrl_jax.sharding import BATCH_AXES  # noqa: PLC0415  (sharding imports models)
   mesh = jax.typeof(layer.gate_kernel[...]).sharding.mesh
   axes = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
   ways = int(np.prod([mesh.shape[a] for a in axes]))

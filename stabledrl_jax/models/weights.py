@@ -11,6 +11,8 @@ from stabledrl_jax.models.config import ModelConfig
 
 # Logical axis -> mesh axis (issue 7 names: data, fsdp, tensor; expert); unknown mesh axes are
 # skipped.
+# A batch's leading axis is split over these mesh axes (`sharding`; the MoE layer's rows too).
+BATCH_AXES = ("data", "fsdp", "expert")
 DEFAULT_RULES = {"embed": "fsdp", "heads": "tensor", "mlp": "tensor", "vocab": "tensor",
                  "expert": "expert"}
 
